@@ -1,0 +1,49 @@
+"""Tiny models and datasets for the tests: built from configs and made in code, nothing downloaded."""
+
+from __future__ import annotations
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+VOCAB = 50
+
+
+def tiny_bert_config(**overrides) -> BertConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    kwargs.update(overrides)
+    return BertConfig(**kwargs)
+
+
+def tiny_bert_classifier(seed: int = 0, num_labels: int = 2) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_bert_config(num_labels=num_labels))
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def classification_rows(n: int, seq_len: int = 8, num_labels: int = 2, seed: int = 0) -> ListDataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (n, seq_len), generator=g)
+    labels = torch.randint(0, num_labels, (n,), generator=g)
+    return ListDataset(
+        [{"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": labels[i]}
+         for i in range(n)]
+    )
