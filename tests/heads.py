@@ -1,0 +1,196 @@
+"""
+One tiny model and one dataset per loss head, for the equivalence matrix of the exact loss.
+
+Every case has uneven numbers of valid items per row (padding, ignored labels, out-of-range answer positions),
+so a split of the batch that averages per-device means is visibly wrong, and at least one row with no valid item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from tests.tiny import VOCAB, ListDataset, tiny_bert_config
+
+SEQ = 8
+NUM_LABELS = 3
+
+
+def _gpt2(seed: int):
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, use_cache=False,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _llama(seed: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _bart(seed: int):
+    torch.manual_seed(seed)
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+    )
+    return BartForConditionalGeneration(config)
+
+
+def _bert(cls, **config):
+    def build(seed: int):
+        torch.manual_seed(seed)
+        return cls(tiny_bert_config(**config))
+
+    return build
+
+
+def _lengths(g: torch.Generator, n: int) -> torch.Tensor:
+    """Very uneven row lengths: 1..SEQ tokens, the first row a single token."""
+    lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
+    lengths[0] = 1
+    return lengths
+
+
+def _padded(g: torch.Generator, n: int):
+    ids = torch.randint(5, VOCAB, (n, SEQ), generator=g)
+    lengths = _lengths(g, n)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def lm_rows(n: int, seed: int) -> list[dict]:
+    """Causal LM: labels = input_ids, -100 on padding. Row 0 has one token, so nothing to predict after the shift."""
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def seq2seq_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    target, target_mask = _padded(g, n)
+    labels = target.masked_fill(target_mask == 0, -100)
+    labels[0] = -100  # a row with no target at all
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def mlm_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    chosen = (torch.rand(n, SEQ, generator=g) < 0.4) & (mask == 1)
+    chosen[0] = False
+    labels = ids.masked_fill(~chosen, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def token_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    labels = torch.randint(0, NUM_LABELS, (n, SEQ), generator=g).masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def single_label_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    labels = torch.randint(0, NUM_LABELS, (n,), generator=g)
+    labels[0] = -100  # an ignored sample: counted out, as CrossEntropyLoss does
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def multi_label_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    labels = (torch.rand(n, NUM_LABELS, generator=g) < 0.5).float()
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def regression_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    labels = torch.randn(n, generator=g)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def choice_rows(n: int, seed: int, choices: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (n, choices, SEQ), generator=g)
+    labels = torch.randint(0, choices, (n,), generator=g)
+    labels[0] = -100
+    return [{"input_ids": ids[i], "attention_mask": torch.ones_like(ids[i]), "labels": labels[i]} for i in range(n)]
+
+
+def qa_rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = _padded(g, n)
+    start = torch.randint(0, SEQ, (n,), generator=g)
+    end = torch.randint(0, SEQ, (n,), generator=g)
+    start[0] = SEQ + 3  # outside the input: ignored by the start term only
+    end[1 % n] = SEQ  # ignored by the end term only
+    return [
+        {"input_ids": ids[i], "attention_mask": mask[i], "start_positions": start[i], "end_positions": end[i]}
+        for i in range(n)
+    ]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[int], torch.nn.Module]
+    rows: Callable[[int, int], list[dict]]
+    label_smoothing: float = 0.0
+
+    def dataset(self, n: int, seed: int = 0) -> ListDataset:
+        return ListDataset(self.rows(n, seed))
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case("gpt2_causal_lm", _gpt2, lm_rows),
+        Case("llama_causal_lm", _llama, lm_rows),
+        Case("bart_seq2seq", _bart, seq2seq_rows),
+        Case("bert_masked_lm", _bert(BertForMaskedLM), mlm_rows),
+        Case("bert_token_classification", _bert(BertForTokenClassification, num_labels=NUM_LABELS), token_rows),
+        Case("bert_single_label", _bert(BertForSequenceClassification, num_labels=NUM_LABELS), single_label_rows),
+        Case(
+            "bert_multi_label",
+            _bert(BertForSequenceClassification, num_labels=NUM_LABELS, problem_type="multi_label_classification"),
+            multi_label_rows,
+        ),
+        Case("bert_regression", _bert(BertForSequenceClassification, num_labels=1), regression_rows),
+        Case("bert_multiple_choice", _bert(BertForMultipleChoice), choice_rows),
+        Case("bert_question_answering", _bert(BertForQuestionAnswering), qa_rows),
+        Case(
+            "bert_single_label_smoothing",
+            _bert(BertForSequenceClassification, num_labels=NUM_LABELS),
+            single_label_rows,
+            label_smoothing=0.1,
+        ),
+        Case("gpt2_causal_lm_smoothing", _gpt2, lm_rows, label_smoothing=0.1),
+    )
+}
