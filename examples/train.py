@@ -9,10 +9,12 @@ One process (CPU, or one GPU; several GPUs without a launcher use DataParallel):
     python examples/train.py
     python examples/train.py --model_name_or_path bert-base-uncased --train_file data.csv --text_column text
 
-DDP over the GPUs of one machine, or 2 CPU processes (see the README for several machines):
+DDP over the GPUs of one machine (one process per GPU), or over 2 CPU processes on a machine without GPUs (the
+processes need `--use_cpu`: accelerate does not pass the config's `use_cpu` on, and without it the Trainer stops):
 
-    accelerate launch --num_processes 2 examples/train.py
-    accelerate launch --config_file hf_parallel/configs/cpu_ddp.yaml examples/train.py
+    accelerate launch --config_file hf_parallel/configs/multi_gpu.yaml --num_processes 4 examples/train.py
+    accelerate launch --config_file hf_parallel/configs/cpu_ddp.yaml examples/train.py --use_cpu
+    hf-parallel config -o ddp.yaml   # a config for this machine (or several: see the README); prints the command
 """
 
 from __future__ import annotations

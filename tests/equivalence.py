@@ -30,6 +30,7 @@ class Topology:
     accumulation: int = 1
     processes: int = 1
     dp_devices: int = 1
+    gpu0_bsz: int | None = None
 
 
 SINGLE = Topology("single 2B", per_device=TRAIN_ROWS)
@@ -76,27 +77,38 @@ def make_args(args_cls, output_dir: str, topology: Topology, label_smoothing: fl
         remove_unused_columns=False,
         include_num_input_tokens_seen="no",
     )
+    if topology.gpu0_bsz is not None:
+        kwargs["gpu0_bsz"] = topology.gpu0_bsz
     kwargs.update(overrides)
-    args = args_cls(**kwargs)
     if topology.dp_devices > 1:
-        from hf_parallel.testing import data_parallel_args
+        from hf_parallel.testing import simulated_training_args
 
-        args = data_parallel_args(args, topology.dp_devices)
-    return args
+        return simulated_training_args(topology.dp_devices, args_cls, **kwargs)
+    return args_cls(**kwargs)
 
 
-def run_case(case_name: str, topology: Topology, stock: bool = False, exact_loss: bool = True) -> dict:
+def run_case(
+    case_name: str,
+    topology: Topology,
+    stock: bool = False,
+    exact_loss: bool = True,
+    train_rows: int = TRAIN_ROWS,
+    **overrides,
+) -> dict:
     """Evaluate, then train one step; return the logged loss, eval_loss, gradient and parameters."""
     case = CASES[case_name]
-    trainer_cls, args_cls = (transformers.Trainer, transformers.TrainingArguments) if stock else (Trainer, TrainingArguments)
-    extra = {} if stock else {"exact_loss": exact_loss}
+    if stock:
+        trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
+    else:
+        trainer_cls, args_cls = Trainer, TrainingArguments
+    extra = overrides if stock else {"exact_loss": exact_loss, **overrides}
     capture = Capture()
     with tempfile.TemporaryDirectory() as tmp:
         args = make_args(args_cls, tmp, topology, case.label_smoothing, **extra)
         trainer = trainer_cls(
             model=case.build(0),
             args=args,
-            train_dataset=case.dataset(TRAIN_ROWS, seed=1),
+            train_dataset=case.dataset(train_rows, seed=1),
             eval_dataset=case.dataset(EVAL_ROWS, seed=2),
             callbacks=[capture],
         )

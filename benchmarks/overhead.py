@@ -1,0 +1,188 @@
+"""
+Overhead of the exact loss: step time and peak memory of `hf_parallel.Trainer` against stock
+`transformers.Trainer` on the same workload, measured in one run, interleaved, and printed as median ratios.
+
+    python benchmarks/overhead.py                 # single process and 2-rank DDP (gloo, CPU)
+    python benchmarks/overhead.py --no-ddp --steps 30 --rounds 5
+
+Workloads: a BERT sequence classifier and a small GPT-2 causal LM, built from configs (nothing downloaded).
+Step time: the median over all timed optimizer steps (the first steps of each run are warm-up). Peak memory: on a
+GPU, `torch.cuda.max_memory_allocated` during training; on CPU, the peak resident set size during training
+(`VmHWM`, reset through /proc/self/clear_refs before each run) minus the resident size when training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import transformers  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from hf_parallel import Trainer, TrainingArguments  # noqa: E402
+
+SEQ = 64
+VOCAB = 2000
+
+
+def classifier():
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=SEQ, num_labels=4,
+    )
+    return BertForSequenceClassification(config)
+
+
+def causal_lm():
+    config = GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=SEQ, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n: int, lm: bool):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        lengths = torch.randint(SEQ // 4, SEQ + 1, (n,), generator=g)
+        self.mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+        self.labels = self.ids.masked_fill(self.mask == 0, -100) if lm else torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+WORKLOADS = {"classifier": (classifier, False, 16), "causal_lm": (causal_lm, True, 8)}
+
+
+class StepTimer(transformers.TrainerCallback):
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident size
+    return _rss_kib("VmRSS") * 1024
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_kib("VmHWM") * 1024
+
+
+def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[float], int]:
+    build, lm, batch = WORKLOADS[workload]
+    torch.manual_seed(0)
+    model = build()
+    timer = StepTimer(warmup)
+    trainer_cls, args_cls = (transformers.Trainer, transformers.TrainingArguments) if stock else (Trainer, TrainingArguments)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = args_cls(
+            output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + warmup, learning_rate=1e-4,
+            logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+            use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        )
+        trainer = trainer_cls(model=model, args=args, train_dataset=Rows(batch * (steps + warmup) * 2, lm), callbacks=[timer])
+        base = _reset_peak()
+        trainer.train()
+        peak = _peak() - base
+    return timer.times, peak
+
+
+def measure(workload: str, steps: int, warmup: int, rounds: int) -> dict:
+    times = {"stock": [], "hf_parallel": []}
+    peaks = {"stock": [], "hf_parallel": []}
+    for r in range(rounds):
+        # Alternate which goes first, so warm caches and background load do not favour one side.
+        order = ("stock", "hf_parallel") if r % 2 == 0 else ("hf_parallel", "stock")
+        for name in order:
+            step_times, peak = run_once(name == "stock", workload, steps, warmup)
+            times[name].extend(step_times)
+            peaks[name].append(peak)
+    return {
+        "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+        "peak_mib": {k: statistics.median(v) / 2**20 for k, v in peaks.items()},
+    }
+
+
+def report(mode: str, results: dict) -> None:
+    for workload, r in results.items():
+        time_ratio = r["step_ms"]["hf_parallel"] / r["step_ms"]["stock"]
+        stock_peak, ours_peak = r["peak_mib"]["stock"], r["peak_mib"]["hf_parallel"]
+        mem_ratio = ours_peak / stock_peak if stock_peak > 0 else float("nan")
+        print(
+            f"{mode:<14} {workload:<11} step median: stock {r['step_ms']['stock']:7.2f} ms, "
+            f"hf_parallel {r['step_ms']['hf_parallel']:7.2f} ms, ratio {time_ratio:.3f} | "
+            f"peak: stock {stock_peak:7.1f} MiB, hf_parallel {ours_peak:7.1f} MiB, ratio {mem_ratio:.3f}"
+        )
+
+
+def ddp_worker(steps: int, warmup: int, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+
+    results = {w: measure(w, steps, warmup, rounds) for w in WORKLOADS}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer, interleaved (default 3)")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP measurement")
+    options = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    single = {w: measure(w, options.steps, options.warmup, options.rounds) for w in WORKLOADS}
+    report("single process", single)
+    if not options.no_ddp:
+        from accelerate import debug_launcher
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "ddp.pt")
+            try:
+                debug_launcher(ddp_worker, args=(options.steps, options.warmup, options.rounds, out), num_processes=2)
+            except FileNotFoundError as error:  # the launcher's rendezvous file, already removed by torch
+                if not str(error.filename).startswith(tempfile.gettempdir()):
+                    raise
+            report("DDP 2 (rank 0)", torch.load(out, weights_only=False))
+
+
+if __name__ == "__main__":
+    main()

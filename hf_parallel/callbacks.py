@@ -1,0 +1,247 @@
+"""Small `TrainerCallback` classes, for users who keep the stock `transformers.Trainer`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from transformers import PreTrainedModel, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import ParallelMode
+from transformers.utils import logging
+
+from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
+from .unwrap import (
+    CHECKPOINT_WEIGHT_FILES,
+    DATA_PARALLEL_CLASSES,
+    has_wrapper_prefixes,
+    load_state_dict,
+    read_state_dict,
+    unwrap_model,
+)
+
+logger = logging.get_logger(__name__)
+
+
+class CleanCheckpointCallback(TrainerCallback):
+    """
+    Make every checkpoint a stock `transformers.Trainer` saves clean: the unwrapped model's weights, with no
+    `module.` or `_orig_mod.` in the keys, in the standard `save_pretrained` layout (`config.json` and
+    `model.safetensors`), so `from_pretrained` loads it with no missing keys.
+
+    Stock writes prefixed keys when the model it holds is a wrapper: a model handed to it already wrapped in
+    `nn.DataParallel` / DDP, or already compiled with `torch.compile`. After each save this callback checks the
+    checkpoint's keys and, when needed, rewrites its weights from the unwrapped model (on the process that saves).
+    Resuming a compiled model: stock loads the clean keys into the wrapper non-strictly, matches none of them and keeps
+    the initial weights with only a warning; the callback then loads the resumed step's checkpoint (from
+    `output_dir`) itself, strictly. A DataParallel/DDP-wrapped model cannot be resumed by stock from a clean
+    checkpoint (it fails before any callback runs): hand stock the bare model, which it wraps itself.
+    With `hf_parallel.Trainer` the callback is not needed.
+
+    ```python
+    import transformers
+    from hf_parallel import CleanCheckpointCallback
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[CleanCheckpointCallback()])
+    trainer.train()
+    ```
+    """
+
+    def __init__(self):
+        self.rewritten: list[str] = []
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if isinstance(model, DATA_PARALLEL_CLASSES):
+            # Stock resume loads the (now clean) checkpoint into the wrapper non-strictly, then fails in
+            # `_issue_warnings_after_load` on `'DataParallel' object has no attribute '_keys_to_ignore_on_save'`,
+            # before any callback runs.
+            logger.warning(
+                f"CleanCheckpointCallback: the model was handed to the Trainer wrapped in {type(model).__name__}. "
+                "Its checkpoints will be clean, but the stock Trainer cannot resume from them into the wrapper: hand "
+                "it the bare model (it wraps it itself on several GPUs), or use hf_parallel.Trainer."
+            )
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if model is None or not args.should_save:
+            return
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        stored = [name for name in CHECKPOINT_WEIGHT_FILES if os.path.isfile(os.path.join(checkpoint, name))]
+        if not stored:
+            logger.warning(
+                f"CleanCheckpointCallback: no weights found in {checkpoint} (hyper-parameter search runs save "
+                "elsewhere); that checkpoint was not checked."
+            )
+            return
+        inner = unwrap_model(model)
+        stale = _weight_files(checkpoint, stored)
+        keys = _stored_keys(os.path.join(checkpoint, stored[0]))
+        no_config = isinstance(inner, PreTrainedModel) and not os.path.isfile(os.path.join(checkpoint, "config.json"))
+        if not has_wrapper_prefixes(keys, inner) and not no_config:
+            return
+        # on_save runs right after the save of this step, before any other update: the live weights are the saved ones.
+        for path in stale:
+            os.remove(path)
+        if isinstance(inner, PreTrainedModel):
+            inner.save_pretrained(checkpoint)
+        else:
+            safetensors.torch.save_model(inner, os.path.join(checkpoint, CHECKPOINT_WEIGHT_FILES[0]))
+        self.rewritten.append(checkpoint)
+        logger.info(f"CleanCheckpointCallback: rewrote {checkpoint} from the unwrapped {type(inner).__name__}.")
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None or state.global_step == 0 or unwrap_model(model) is model:
+            return
+        checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if any(os.path.isfile(os.path.join(checkpoint, name)) for name in CHECKPOINT_WEIGHT_FILES):
+            load_state_dict(model, checkpoint, strict=True)
+            logger.info(f"CleanCheckpointCallback: loaded {checkpoint} into the unwrapped {type(model).__name__}.")
+        else:
+            logger.warning(
+                f"CleanCheckpointCallback: resumed at step {state.global_step} into a wrapped model, but "
+                f"{checkpoint} does not exist, so the weights could not be checked. Load them with "
+                "hf_parallel.load_state_dict(model, checkpoint), or use hf_parallel.Trainer."
+            )
+
+
+def _weight_files(checkpoint: str, stored: list[str]) -> list[str]:
+    """Every weight file of a checkpoint: the single files and indexes present, and the shards they list."""
+    paths = [os.path.join(checkpoint, name) for name in stored]
+    for name in stored:
+        if name.endswith(".index.json"):
+            with open(os.path.join(checkpoint, name), encoding="utf-8") as f:
+                shards = set(json.load(f).get("weight_map", {}).values())
+            paths += [
+                os.path.join(checkpoint, s) for s in sorted(shards) if os.path.isfile(os.path.join(checkpoint, s))
+            ]
+    return paths
+
+
+def _stored_keys(path: str) -> list[str]:
+    if path.endswith(".safetensors"):
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    if path.endswith(".index.json"):
+        with open(path, encoding="utf-8") as f:
+            return list(json.load(f)["weight_map"])
+    return list(read_state_dict(path))
+
+
+# ---- Per-device peak memory and the gpu0_bsz advisor (issue 4) ----
+
+
+def _data_parallel_devices(args) -> list[int]:
+    """CUDA devices this process trains on: all of them under DataParallel, its own under DDP, none on CPU."""
+    if not torch.cuda.is_available():
+        return []
+    if args.n_gpu > 1:
+        return list(range(args.n_gpu))
+    device = args.device
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+class PeakMemoryCallback(TrainerCallback):
+    """
+    Add each GPU's peak allocated memory since the previous log (`torch.cuda.max_memory_allocated`) to every log,
+    as `peak_memory_gpu{i}_mib`: all GPUs under `nn.DataParallel`, the process's own GPU under DDP, nothing on CPU.
+
+    The values go into the `logs` dict and the last `state.log_history` entry, so the callbacks after this one (the
+    progress bar, your own) see them. The `report_to` integrations run before callbacks you pass to the Trainer; to
+    send the figures to them, put this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
+
+    Args:
+        reset (`bool`, *optional*, defaults to `True`):
+            Reset the peak after each log (`torch.cuda.reset_peak_memory_stats`), so each log gives the peak of its
+            own interval; `False` keeps the peak since the start of the process.
+
+    ```python
+    from hf_parallel import PeakMemoryCallback, Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[PeakMemoryCallback()])
+    ```
+    """
+
+    def __init__(self, reset: bool = True):
+        self.reset = reset
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        devices = _data_parallel_devices(args)
+        if logs is None or not devices:
+            return
+        peaks = {f"peak_memory_gpu{d}_mib": round(torch.cuda.max_memory_allocated(d) / 2**20, 1) for d in devices}
+        if self.reset:
+            for d in devices:
+                torch.cuda.reset_peak_memory_stats(d)
+        logs.update(peaks)
+        if state.log_history:
+            state.log_history[-1].update(peaks)
+
+
+class Gpu0BszAdvisorCallback(TrainerCallback):
+    """
+    Under `nn.DataParallel`, measure each GPU's peak memory over the first `after_steps` optimizer steps and log the
+    `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
+    `gpu0_bsz_suggested` in the next log. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set,
+    else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of the model's parameter
+    and buffer bytes (a replica's static memory). Does nothing on CPU, on one GPU and under DDP.
+
+    Args:
+        after_steps (`int`, *optional*, defaults to 3):
+            Optimizer steps to measure before suggesting (the first step allocates the optimizer state).
+
+    ```python
+    from hf_parallel import Gpu0BszAdvisorCallback, Trainer
+
+    advisor = Gpu0BszAdvisorCallback(after_steps=3)
+    Trainer(model=model, args=args, train_dataset=ds, callbacks=[advisor]).train()
+    advisor.suggestion  # e.g. 11, for TrainingArguments(gpu0_bsz=11)
+    ```
+    """
+
+    def __init__(self, after_steps: int = 3):
+        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 1:
+            raise ValueError(f"after_steps must be a whole number >= 1, got {after_steps!r}.")
+        self.after_steps = after_steps
+        self.suggestion: int | None = None
+        self.measured: dict | None = None
+        self._pending_log = False
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.measured is not None or state.global_step < self.after_steps:
+            return
+        devices = _data_parallel_devices(args)
+        if len(devices) < 2 or args.parallel_mode != ParallelMode.NOT_DISTRIBUTED:
+            self.measured = {}  # nothing to balance: decided once
+            return
+        batch_size = args.per_device_train_batch_size * len(devices)
+        gpu0_bsz, gpu0_weight = getattr(args, "gpu0_bsz", None), getattr(args, "gpu0_weight", None)
+        if gpu0_bsz is not None or gpu0_weight is not None:
+            rows = balanced_chunk_sizes(batch_size, len(devices), gpu0_bsz, gpu0_weight)
+        else:
+            rows = torch_chunk_sizes(batch_size, len(devices))
+            rows += [0] * (len(devices) - len(rows))
+        peaks = [float(torch.cuda.max_memory_allocated(d)) for d in devices]
+        static = 0.0
+        if model is not None:
+            static = float(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
+        self.measured = {"peaks": peaks, "rows": rows, "static": static}
+        try:
+            self.suggestion = suggest_gpu0_bsz(peaks, rows, static)
+        except ValueError as reason:
+            logger.warning(f"gpu0_bsz advisor: no suggestion ({reason})")
+            return
+        self._pending_log = True
+        gib = ", ".join(f"{p / 2**30:.2f}" for p in peaks)
+        logger.warning(
+            f"gpu0_bsz advisor: after {state.global_step} steps with rows {rows} per GPU, peak memory {gib} GiB; "
+            f"gpu0_bsz={self.suggestion} should even it out (batches of {batch_size} rows)."
+        )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending_log and logs is not None:
+            self._pending_log = False
+            logs["gpu0_bsz_suggested"] = self.suggestion
+            if state.log_history:
+                state.log_history[-1]["gpu0_bsz_suggested"] = self.suggestion

@@ -1,0 +1,213 @@
+"""Launch guards: catch the mis-launches that make multi-GPU training silently wrong, before training starts.
+
+Three traps, each measured on transformers 5.24 / accelerate 1.15 / torch 2.13:
+
+1. A launcher (`torchrun`, `accelerate launch`, `mpirun`) started N processes but the Trainer did not join them into
+   one DDP group. On a machine without GPUs and without `use_cpu`, accelerate sees no device backend, so each
+   process trains its own unsynchronised copy of the model, all save to the same folder, and the launch exits 0.
+2. `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised (the source document sets it after
+   `init_process_group`). CUDA reads it once, at initialisation, so the change has no effect: the process runs on
+   other GPUs than the script says.
+3. `nn.DataParallel` over several GPUs (one process, no launcher). It works, but DDP is faster and scales; a
+   one-line hint says how to launch it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.training_args import ParallelMode
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# The variables launchers set to the number of processes: torchrun / accelerate (WORLD_SIZE), Intel MPI and MPICH
+# (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE), MVAPICH (MV2_COMM_WORLD_SIZE). accelerate reads the same list.
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+_NOT_RECORDED = object()
+# CUDA_VISIBLE_DEVICES as this process had it when hf_parallel was imported, and when CUDA initialised.
+_visible_devices_at_import: str | None = os.environ.get("CUDA_VISIBLE_DEVICES")
+_visible_devices_at_cuda_init: object = _NOT_RECORDED
+
+
+def _record_visible_devices_at_cuda_init() -> None:
+    # Runs inside torch.cuda._lazy_init, right after the driver read CUDA_VISIBLE_DEVICES: it must never raise.
+    global _visible_devices_at_cuda_init
+    _visible_devices_at_cuda_init = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+if torch.cuda.is_initialized():
+    # CUDA was initialised before hf_parallel was imported: the value now is the best record there is.
+    _visible_devices_at_cuda_init = _visible_devices_at_import
+elif hasattr(torch.cuda, "_lazy_call"):
+    # torch runs the queued calls of `_lazy_call` once, when CUDA initialises (torch/cuda/__init__.py, `_lazy_init`),
+    # which records the value the driver actually used. Without it (a torch that drops the private helper) the
+    # value at import stands in.
+    torch.cuda._lazy_call(_record_visible_devices_at_cuda_init)
+
+
+def launcher_world_size(environ: dict[str, str] | None = None) -> int:
+    """
+    The number of processes a launcher says it started, from the environment; 1 when no launcher set one.
+
+    Args:
+        environ (`dict[str, str]`, *optional*):
+            The environment to read; defaults to `os.environ`.
+
+    Returns:
+        `int`: the first of `WORLD_SIZE`, `PMI_SIZE`, `OMPI_COMM_WORLD_SIZE`, `MV2_COMM_WORLD_SIZE` that is set.
+
+    ```python
+    from hf_parallel.guards import launcher_world_size
+
+    launcher_world_size({"WORLD_SIZE": "4"})  # 4
+    ```
+    """
+    environ = os.environ if environ is None else environ
+    for name in WORLD_SIZE_VARIABLES:
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        try:
+            size = int(value)
+        except ValueError:
+            raise ValueError(
+                f"The environment variable {name}={value!r} is not a whole number; a launcher sets it to the number "
+                f"of processes. Unset it or set it to that number."
+            ) from None
+        if size < 1:
+            raise ValueError(f"The environment variable {name}={size} must be >= 1 (the number of processes).")
+        return size
+    return 1
+
+
+def _no_device_backend() -> bool:
+    """True when this machine has no accelerator that accelerate would form a process group over."""
+    if torch.cuda.is_available():
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return not accelerator.is_available()
+    return True
+
+
+def check_world_size(args) -> None:
+    """
+    Raise when a launcher started several processes but the Trainer would train in this one alone.
+
+    Without this check, each process trains its own unsynchronised copy of the model and the launch exits 0: on a
+    machine without GPUs, `torchrun --nproc_per_node 2` or a multi-GPU accelerate config gives each process a
+    process group that accelerate then ignores (`DistributedType.NO`), because no device backend was found.
+
+    Args:
+        args (`transformers.TrainingArguments`):
+            The Trainer's arguments; reading `args.world_size` sets up the devices and the process group.
+
+    Raises:
+        `RuntimeError`: `WORLD_SIZE` (or an MPI equivalent) is above 1 and differs from `args.world_size`.
+
+    ```python
+    from hf_parallel import TrainingArguments
+    from hf_parallel.guards import check_world_size
+
+    check_world_size(TrainingArguments(output_dir="out"))  # silent in a single process
+    ```
+    """
+    launched = launcher_world_size()
+    if launched <= 1 or args.world_size == launched:
+        return
+    if args.parallel_mode == ParallelMode.SAGEMAKER_MODEL_PARALLEL:
+        # There world_size is the data-parallel size (smp.dp_size()), smaller than the processes by design.
+        return
+    variable = next(name for name in WORLD_SIZE_VARIABLES if os.environ.get(name, "").strip())
+    fix = (
+        "This machine has no GPU, so the processes must be told to use the CPU: pass `--use_cpu` to the script "
+        "(`TrainingArguments(use_cpu=True)`), or launch with ACCELERATE_USE_CPU=1 set, e.g. "
+        "`accelerate launch --config_file hf_parallel/configs/cpu_ddp.yaml train.py --use_cpu` "
+        "(`hf-parallel config` writes a config for this machine and prints the command)."
+        if _no_device_backend() and not args.use_cpu
+        else "Launch with `accelerate launch` (or `torchrun`) so that every process joins one process group, and "
+        "check that `hf-parallel env` run under the same launcher reports DDP."
+    )
+    raise RuntimeError(
+        f"A launcher started {launched} processes ({variable}={launched}), but this one would train alone "
+        f"(world_size={args.world_size}, parallel_mode={args.parallel_mode.value}): each process would train its "
+        f"own unsynchronised copy of the model and overwrite the others' checkpoints. {fix}"
+    )
+
+
+def check_visible_devices() -> None:
+    """
+    Warn when `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised in this process.
+
+    CUDA reads the variable once, when it initialises; a later change (the source document sets it after
+    `init_process_group`) has no effect, so the process runs on other GPUs than the script names. Set it before
+    anything touches CUDA, or let the launcher set it (`gpu_ids` in an accelerate config).
+
+    ```python
+    from hf_parallel.guards import check_visible_devices
+
+    check_visible_devices()  # silent unless CUDA is initialised and the variable changed since
+    ```
+    """
+    if not torch.cuda.is_initialized():
+        # Not read yet: whatever it says now is what CUDA will use.
+        return
+    seen = _visible_devices_at_cuda_init
+    if seen is _NOT_RECORDED:
+        seen = _visible_devices_at_import
+    now = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if now == seen:
+        return
+    logger.warning(
+        f"CUDA_VISIBLE_DEVICES changed after CUDA was initialised in this process (CUDA read {seen!r}, it is now "
+        f"{now!r}); the change has no effect, and this process uses the GPUs of {seen!r}. Set CUDA_VISIBLE_DEVICES "
+        "before anything touches CUDA (first line of the script, or in the shell: `CUDA_VISIBLE_DEVICES=2,3 "
+        "accelerate launch ...`), or use `gpu_ids` in the accelerate config."
+    )
+
+
+def check_data_parallel(args) -> None:
+    """
+    Log a one-line hint when the Trainer is about to use `nn.DataParallel` over several GPUs.
+
+    Args:
+        args (`transformers.TrainingArguments`):
+            The Trainer's arguments; DataParallel is chosen when one process sees several GPUs (`args.n_gpu > 1`).
+
+    ```python
+    from hf_parallel import TrainingArguments
+    from hf_parallel.guards import check_data_parallel
+
+    check_data_parallel(TrainingArguments(output_dir="out"))  # silent on one device
+    ```
+    """
+    if args.parallel_mode != ParallelMode.NOT_DISTRIBUTED:
+        return
+    logger.warning(
+        f"Training with nn.DataParallel over {args.n_gpu} GPUs in one process; DDP is faster: "
+        f"`accelerate launch --num_processes {args.n_gpu} your_script.py` (`hf-parallel config` writes a config)."
+    )
+
+
+def check_launch(args) -> None:
+    """
+    Run every launch guard of this module on the Trainer's arguments: raise on a launch that would train
+    unsynchronised copies, warn on a `CUDA_VISIBLE_DEVICES` change that has no effect, hint at DDP under DataParallel.
+
+    Args:
+        args (`transformers.TrainingArguments`):
+            The Trainer's arguments.
+
+    ```python
+    from hf_parallel import TrainingArguments
+    from hf_parallel.guards import check_launch
+
+    check_launch(TrainingArguments(output_dir="out"))
+    ```
+    """
+    check_world_size(args)
+    check_visible_devices()
+    check_data_parallel(args)

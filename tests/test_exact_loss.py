@@ -1,0 +1,350 @@
+"""
+The exact loss: one process with batch 2B == DDP 2 ranks x B == simulated DataParallel (even, uneven, balanced)
+== gradient accumulation 2, for every head; and stock transformers differs where DESIGN.md says it does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.data.data_collator import default_data_collator
+from transformers.trainer_pt_utils import LabelSmoother
+
+from hf_parallel import Trainer
+from tests.equivalence import (
+    SINGLE,
+    TRAIN_ROWS,
+    Topology,
+    make_args,
+    max_relative_diff,
+    run_case,
+    run_ddp,
+)
+from tests.heads import CASES, lm_rows
+from tests.tiny import ListDataset
+
+TOL = 1e-5
+CASE_NAMES = tuple(CASES)
+IN_PROCESS = (
+    Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2),
+    Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2),
+    Topology("DP 3 split [3,3,2]", per_device=3, dp_devices=3),
+    Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1),
+    Topology("DP 3 + grad-accum 2", per_device=2, dp_devices=3, accumulation=2),
+)
+
+_single_cache: dict[str, dict] = {}
+
+
+def single(case: str) -> dict:
+    if case not in _single_cache:
+        _single_cache[case] = run_case(case, SINGLE)
+    return _single_cache[case]
+
+
+def assert_equivalent(result: dict, reference: dict, what: str) -> None:
+    assert result["loss"] == pytest.approx(reference["loss"], rel=TOL), f"{what}: logged loss"
+    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=TOL), f"{what}: eval_loss"
+    assert max_relative_diff(result["grads"], reference["grads"]) < TOL, f"{what}: gradient"
+    assert max_relative_diff(result["params"], reference["params"]) < TOL, f"{what}: parameters after the step"
+
+
+# ---- The reference: what one device computes on the whole step --------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_single_process_equals_the_model_loss_on_the_whole_batch(case):
+    """The model's own mean loss over all 2B rows, by hand: the definition of exact."""
+    spec = CASES[case]
+    model = spec.build(0)
+    batch = default_data_collator(spec.rows(TRAIN_ROWS, 1))
+    if spec.label_smoothing:
+        labels = batch.pop("labels")
+        outputs = model(**batch)
+        shift = isinstance(model, transformers.GPT2LMHeadModel)
+        loss = LabelSmoother(epsilon=spec.label_smoothing)(outputs, labels, shift_labels=shift)
+    else:
+        loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    result = single(case)
+    assert result["loss"] == pytest.approx(loss.item(), rel=TOL)
+    assert max_relative_diff(result["grads"], grads) < TOL
+
+
+# ---- The matrix ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", IN_PROCESS, ids=[t.name for t in IN_PROCESS])
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_in_process_topologies_equal_one_process(case, topology):
+    result = run_case(case, topology)
+    if topology.dp_devices > 1:
+        expected = "SimulatedBalancedDataParallel" if topology.gpu0_bsz is not None else "SimulatedDataParallel"
+        assert result["wrapped"] == expected
+    assert_equivalent(result, single(case), f"{case} under {topology.name}")
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_process(tmp_path):
+    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+    results = run_ddp(list(CASE_NAMES), topology, tmp_path)
+    for case in CASE_NAMES:
+        result = results[case]
+        assert result["world_size"] == 2
+        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
+        # evaluate() ran before train(): the model must still train wrapped in DDP, with equal ranks.
+        assert result["wrapped"] == "DistributedDataParallel"
+        assert result["max_rank_param_diff"] == 0.0
+        assert_equivalent(result, single(case), f"{case} under DDP 2")
+
+
+@pytest.mark.slow
+def test_ddp_with_gradient_accumulation_equals_one_process(tmp_path):
+    cases = ["llama_causal_lm", "bert_token_classification", "bert_question_answering"]
+    topology = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
+    results = run_ddp(cases, topology, tmp_path)
+    for case in cases:
+        assert results[case]["world_size"] == 2
+        assert results[case]["wrapped"] == "DistributedDataParallel"
+        assert results[case]["max_rank_param_diff"] == 0.0
+        assert_equivalent(results[case], single(case), f"{case} under {topology.name}")
+
+
+# ---- Controls: stock transformers differs where DESIGN.md says it does ---------------------------------------------
+
+
+def test_control_stock_gradient_accumulation_doubles_the_classifier_loss():
+    topology = IN_PROCESS[0]
+    stock = run_case("bert_single_label", topology, stock=True)
+    assert stock["loss"] / single("bert_single_label")["loss"] == pytest.approx(2.0, rel=1e-4)
+    assert max_relative_diff(stock["grads"], single("bert_single_label")["grads"]) > 0.5
+
+
+def test_control_stock_gpt2_counts_unshifted_tokens():
+    """GPT2LMHeadModel has no loss_type, so stock divides by labels != -100 before the shift."""
+    stock = run_case("gpt2_causal_lm", SINGLE, stock=True)
+    labels = torch.stack([row["labels"] for row in lm_rows(TRAIN_ROWS, 1)])
+    shifted, unshifted = labels[:, 1:].ne(-100).sum().item(), labels.ne(-100).sum().item()
+    assert shifted < unshifted
+    assert stock["loss"] == pytest.approx(single("gpt2_causal_lm")["loss"] * shifted / unshifted, rel=TOL)
+
+
+@pytest.mark.parametrize(
+    ("case", "topology", "rows"),
+    [
+        ("bert_single_label", Topology("DP 2 split [2,1]", per_device=2, dp_devices=2), 3),
+        ("bert_single_label", Topology("DP 4, 5 rows [2,2,1]", per_device=2, dp_devices=4), 5),
+        ("llama_causal_lm", Topology("DP 4, 5 rows [2,2,1]", per_device=2, dp_devices=4), 5),
+        ("bert_single_label_smoothing", Topology("DP 2", per_device=4, dp_devices=2), 8),
+    ],
+    ids=["cls-DP2-[2,1]", "cls-DP4-5rows", "lm-DP4-5rows", "smoothing-DP2"],
+)
+def test_control_stock_data_parallel_is_wrong_and_exact_is_not(case, topology, rows):
+    reference = run_case(case, SINGLE, train_rows=rows)
+    stock = run_case(case, topology, stock=True, train_rows=rows)
+    ours = run_case(case, topology, train_rows=rows)
+    assert abs(stock["loss"] / reference["loss"] - 1) > 0.05
+    assert max_relative_diff(stock["grads"], reference["grads"]) > 0.05
+    assert ours["loss"] == pytest.approx(reference["loss"], rel=TOL)
+    assert max_relative_diff(ours["grads"], reference["grads"]) < TOL
+
+
+def one_target_rows(n: int, seed: int) -> list[dict]:
+    """A causal LM batch with a single prediction target in all: every row one token, but one row with two."""
+    rows = lm_rows(n, seed)
+    for i, row in enumerate(rows):
+        keep = 2 if i == 1 else 1
+        row["attention_mask"] = (torch.arange(len(row["input_ids"])) < keep).long()
+        row["input_ids"] = row["input_ids"].clamp(min=5) * row["attention_mask"]
+        row["labels"] = row["input_ids"].masked_fill(row["attention_mask"] == 0, -100)
+    return rows
+
+
+def test_control_stock_nan_with_one_target_and_averaging_off(monkeypatch):
+    from tests import heads
+
+    monkeypatch.setitem(heads.CASES, "one_target", heads.Case("one_target", heads._llama, one_target_rows))
+    topology = Topology("DP 2", per_device=2, dp_devices=2)
+    stock = run_case("one_target", topology, stock=True, train_rows=4, average_tokens_across_devices=False)
+    assert not torch.isfinite(torch.tensor(stock["loss"]))
+    assert not all(torch.isfinite(p).all() for p in stock["params"].values())
+
+    reference = run_case("one_target", SINGLE, train_rows=4)
+    ours = run_case("one_target", topology, train_rows=4, average_tokens_across_devices=False)
+    assert torch.isfinite(torch.tensor(ours["loss"]))
+    assert ours["loss"] == pytest.approx(reference["loss"], rel=TOL)
+    assert max_relative_diff(ours["grads"], reference["grads"]) < TOL
+
+
+def test_control_stock_eval_loss_is_a_mean_of_batch_means():
+    stock = run_case("bert_masked_lm", SINGLE, stock=True)
+    ours = single("bert_masked_lm")
+    assert abs(stock["eval_loss"] / ours["eval_loss"] - 1) > 1e-3
+
+
+@pytest.mark.slow
+def test_control_stock_ddp(tmp_path):
+    """Stock under 2-rank DDP: the classifier's loss and gradient x2, and evaluate() before train() skips DDP."""
+    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+    results = run_ddp(["bert_single_label"], topology, tmp_path, stock=True)
+    stock = results["bert_single_label"]
+    assert stock["world_size"] == 2
+    assert stock["wrapped"] != "DistributedDataParallel"  # the trap: never wrapped after evaluate()
+    assert stock["max_rank_param_diff"] > 0  # so the ranks drifted apart
+    assert stock["loss"] / single("bert_single_label")["loss"] == pytest.approx(2.0, rel=1e-4)
+
+
+# ---- Edges ---------------------------------------------------------------------------------------------------------
+
+
+def no_target_rows(n: int, seed: int) -> list[dict]:
+    rows = lm_rows(n, seed)
+    for row in rows:
+        row["labels"] = torch.full_like(row["labels"], -100)
+    return rows
+
+
+@pytest.mark.parametrize("topology", [SINGLE, IN_PROCESS[1]], ids=["single", "DP 2"])
+def test_a_step_without_targets_contributes_zero_not_nan(monkeypatch, topology):
+    from tests import heads
+
+    monkeypatch.setitem(heads.CASES, "no_target", heads.Case("no_target", heads._gpt2, no_target_rows))
+    result = run_case("no_target", topology)
+    assert result["loss"] == 0.0
+    assert result["eval_loss"] == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in result["grads"].values())
+
+
+def test_exact_loss_off_is_stock():
+    topology = IN_PROCESS[0]
+    ours = run_case("bert_single_label", topology, exact_loss=False)
+    stock = run_case("bert_single_label", topology, stock=True)
+    assert ours["loss"] == stock["loss"]
+    assert ours["eval_loss"] == stock["eval_loss"]
+    assert max_relative_diff(ours["grads"], stock["grads"]) == 0.0
+
+
+def sum_over_items(outputs, labels, num_items_in_batch):
+    """A user loss in the transformers convention: a sum divided by the count it is given."""
+    logits = outputs["logits"]
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+@pytest.mark.parametrize("topology", [SINGLE, IN_PROCESS[0], IN_PROCESS[2]], ids=["single", "GA 2", "DP 3"])
+def test_user_compute_loss_func_stays_exact(tmp_path, topology):
+    case = CASES["bert_single_label"]
+    capture_losses = []
+
+    class Log(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                capture_losses.append(logs["loss"])
+
+    trainer = Trainer(
+        model=case.build(0),
+        args=make_args(transformers.TrainingArguments, str(tmp_path), topology),
+        train_dataset=case.dataset(TRAIN_ROWS, seed=1),
+        compute_loss_func=sum_over_items,
+        callbacks=[Log()],
+    )
+    if topology.dp_devices > 1:
+        from hf_parallel.testing import simulate_data_parallel
+
+        with simulate_data_parallel(topology.dp_devices):
+            trainer.train()
+    else:
+        trainer.train()
+    assert capture_losses[0] == pytest.approx(single("bert_single_label")["loss"], rel=TOL)
+
+
+class TinyCustom(torch.nn.Module):
+    """Not a transformers head: the loss it returns cannot be recomputed from its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def hf_parallel_warnings():
+    handler = _Records()
+    logger = logging.getLogger("hf_parallel")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def test_unknown_head_falls_back_to_stock_with_one_warning(tmp_path, hf_parallel_warnings):
+    g = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(4, generator=g), "labels": torch.tensor(i % 2)} for i in range(8)]
+    losses = {}
+    for name, trainer_cls in (("ours", Trainer), ("stock", transformers.Trainer)):
+        torch.manual_seed(0)
+        trainer = trainer_cls(
+            model=TinyCustom(),
+            args=make_args(transformers.TrainingArguments, str(tmp_path / name), IN_PROCESS[0], max_steps=2),
+            train_dataset=ListDataset(rows),
+        )
+        losses[name] = trainer.train().training_loss
+    assert losses["ours"] == losses["stock"]
+    fallbacks = [m for m in hf_parallel_warnings if m.startswith("exact_loss:")]
+    assert len(fallbacks) == 1, hf_parallel_warnings
+    assert "TinyCustom has no `config`" in fallbacks[0]
+
+
+def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel_warnings):
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    case = CASES["bert_single_label"]
+    trainer = MyTrainer(
+        model=case.build(0),
+        args=make_args(transformers.TrainingArguments, str(tmp_path), SINGLE),
+        train_dataset=case.dataset(TRAIN_ROWS, seed=1),
+    )
+    trainer.train()
+    assert any("MyTrainer overrides compute_loss" in m for m in hf_parallel_warnings), hf_parallel_warnings
+
+
+# ---- Upstream hooks we rely on: an upgrade that changes them must fail here, loudly ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("compute_loss", ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]),
+        ("training_step", ["self", "model", "inputs", "num_items_in_batch"]),
+        ("get_batch_samples", ["self", "epoch_iterator", "num_batches", "device"]),
+        ("evaluation_loop", ["self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
+                             "metric_key_prefix"]),
+        ("train", ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]),
+        ("_get_num_items_in_batch", ["self", "batch_samples", "device"]),
+    ],
+)
+def test_upstream_hook_signatures(name, params):
+    upstream = list(inspect.signature(getattr(transformers.Trainer, name)).parameters)
+    assert upstream == params
+    assert list(inspect.signature(getattr(Trainer, name)).parameters) == params
+    assert hasattr(transformers.Trainer, "loss_is_scaled_for_ga")

@@ -1,0 +1,428 @@
+"""Batch inference: per-sequence pooling, dataset order, one row per input, 1 process == 2-rank DDP, the example."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from accelerate import PartialState, debug_launcher
+from accelerate.state import DistributedType
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.numpy import load_file
+from torch.utils.data.distributed import DistributedSampler
+
+from hf_parallel import SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("embed_example", ROOT / "examples" / "embed.py")
+embed_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(embed_example)
+
+ATOL = 1e-5
+# (rows, batch size per process, pooling, padding side): sizes not divisible by 2 ranks nor by the batch, and one
+# where rank 1 gets nothing at all (1 row).
+DDP_CASES = [(7, 2, "mean", "right"), (101, 8, "last", "left"), (1, 4, "cls", "right")]
+
+
+def tiny_setup(padding_side: str = "right", seed: int = 0):
+    tokenizer = embed_example.char_tokenizer()
+    tokenizer.padding_side = padding_side
+    model = embed_example.tiny_masked_lm(tokenizer, max_length=40, seed=seed)
+    if padding_side == "left":
+        # BERT numbers positions from the first column, so a left-padded row would see shifted positions and differ
+        # from the row alone for a reason that is the model's, not the pooling's. Without position embeddings
+        # only the attention mask separates real tokens from padding, which is what these tests check.
+        with torch.no_grad():
+            model.bert.embeddings.position_embeddings.weight.zero_()
+    return model, tokenizer
+
+
+def dna_rows(tokenizer, n: int, seed: int = 0) -> list[dict]:
+    """n DNA sequences of 3-30 bases, of varied lengths so every batch is padded."""
+    rng = np.random.default_rng(seed)
+    seqs = ["".join(rng.choice(list("ACGT"), size=rng.integers(3, 31))) for _ in range(n)]
+    enc = tokenizer(seqs)
+    return [
+        {"input_ids": enc["input_ids"][i], "attention_mask": enc["attention_mask"][i], "id": f"s{i}"} for i in range(n)
+    ]
+
+
+def one_by_one(model, rows, pooling="mean", layer=-1) -> np.ndarray:
+    """Ground truth: each sequence alone through the full masked LM, no padding, pooled by hand."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            states = model(input_ids=torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states[layer]
+            states = states[0]
+            out.append({"mean": states.mean(0), "cls": states[0], "last": states[-1]}[pooling].numpy())
+    return np.stack(out)
+
+
+# --- pooling ------------------------------------------------------------------------------------------------------
+
+
+def _padded_batch():
+    torch.manual_seed(0)
+    states = torch.randn(4, 5, 3)
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 0, 0],  # right-padded, 3 real tokens
+            [0, 0, 1, 1, 1],  # left-padded, 3 real tokens
+            [1, 1, 1, 1, 1],  # no padding
+            [0, 0, 0, 0, 1],  # left-padded, 1 real token
+        ]
+    )
+    return states, mask
+
+
+def test_pooling_equals_hand_computation_right_and_left_padding():
+    states, mask = _padded_batch()
+    real = [[t for t in range(5) if mask[b, t]] for b in range(4)]
+    hand_mean = torch.stack([sum(states[b, t] for t in real[b]) / len(real[b]) for b in range(4)])
+    hand_cls = torch.stack([states[b, real[b][0]] for b in range(4)])
+    hand_last = torch.stack([states[b, real[b][-1]] for b in range(4)])
+    torch.testing.assert_close(pool_hidden_states(states, mask, "mean"), hand_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pool_hidden_states(states, mask, "cls"), hand_cls, atol=0, rtol=0)
+    torch.testing.assert_close(pool_hidden_states(states, mask, "last"), hand_last, atol=0, rtol=0)
+    # Boolean masks and no mask at all.
+    torch.testing.assert_close(pool_hidden_states(states, mask.bool(), "mean"), hand_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pool_hidden_states(states, None, "mean"), states.mean(1), atol=1e-6, rtol=0)
+
+
+def test_source_document_mean_is_one_vector_per_batch():
+    """The control: the source's reshape-then-sum gives one vector for the whole batch, not one per row."""
+    states, mask = _padded_batch()
+    bs, nt, ed = states.shape
+    flat = states.reshape(bs * nt, ed)
+    flat_mask = mask.unsqueeze(-1).reshape(bs * nt, -1)
+    source = torch.sum(flat_mask * flat, axis=-2) / torch.sum(flat_mask, axis=0)
+    ours = pool_hidden_states(states, mask, "mean")
+    assert source.shape == (ed,) and ours.shape == (bs, ed)
+    for row in range(bs):
+        assert not torch.allclose(ours[row], source, atol=1e-3), row
+
+
+def test_pooling_rejects_bad_input():
+    states, mask = _padded_batch()
+    with pytest.raises(ValueError, match=r"pooling='max'.*mean"):
+        pool_hidden_states(states, mask, "max")
+    with pytest.raises(ValueError, match=r"Rows \[1\] .* no real token"):
+        pool_hidden_states(states, torch.tensor([[1] * 5, [0] * 5, [1] * 5, [1] * 5]))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(4, 4\)"):
+        pool_hidden_states(states, mask[:, :4])
+
+
+def test_half_precision_states_pool_in_float32():
+    states, mask = _padded_batch()
+    pooled = pool_hidden_states(states.half(), mask, "mean")
+    assert pooled.dtype == torch.float32
+    torch.testing.assert_close(pooled, pool_hidden_states(states.half().float(), mask), atol=1e-6, rtol=0)
+
+
+def test_sequence_embedder_base_model_and_layers_match_full_model():
+    model, tokenizer = tiny_setup()
+    rows = dna_rows(tokenizer, 4)
+    batch = tokenizer.pad([{k: r[k] for k in ("input_ids", "attention_mask")} for r in rows], return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        full = model(**batch, output_hidden_states=True).hidden_states
+        for layer in (-1, 0, 1):
+            for use_base in (True, False):
+                got = SequenceEmbedder(model, "mean", layer, use_base_model=use_base)(**batch)
+                want = pool_hidden_states(full[layer], batch["attention_mask"])
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=f"layer={layer} base={use_base}")
+        with pytest.raises(ValueError, match=r"layer=7 is out of range.*3 hidden states"):
+            SequenceEmbedder(model, "mean", 7)(**batch)
+
+
+# --- sharding -----------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 300), batch=st.integers(1, 17), world=st.integers(1, 5))
+def test_shard_batches_covers_every_row_once_in_order(n, batch, world):
+    shards = [shard_batches(n, batch, world, r) for r in range(world)]
+    steps = -(-n // (batch * world))
+    order = []
+    for step in range(steps):
+        for r in range(world):
+            if step < len(shards[r]):
+                order.extend(shards[r][step])
+    assert order == list(range(n))  # each row once, and step-major/rank-minor order is the dataset order
+    for r in range(world):
+        assert all(len(b) >= 1 for b in shards[r])
+        assert len(shards[r]) <= steps
+
+
+def test_shard_batches_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="process_index=2"):
+        shard_batches(10, 2, 2, 2)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        shard_batches(10, 0, 2, 0)
+
+
+def test_distributed_sampler_duplicates_and_reorders():
+    """The control for DDP: the source's DistributedSampler gives 8 rows for 7 and interleaves them."""
+    data = list(range(7))
+    per_rank = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=False)) for r in range(2)]
+    concatenated = per_rank[0] + per_rank[1]
+    assert len(concatenated) == 8 and concatenated.count(0) == 2
+    assert concatenated != data
+    ours = [i for r in range(2) for b in shard_batches(7, 2, 2, r) for i in b]
+    assert sorted(ours) == data
+
+
+# --- one process --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_one_process_equals_each_sequence_alone(pooling, padding_side):
+    model, tokenizer = tiny_setup(padding_side)
+    rows = dna_rows(tokenizer, 11)
+    got = embed_dataset(model, rows, batch_size=4, pooling=pooling, tokenizer=tokenizer, progress=False)
+    assert model.training  # its mode is restored
+    assert got.shape == (11, 32)
+    np.testing.assert_allclose(got, one_by_one(model, rows, pooling), atol=ATOL, rtol=0)
+
+
+def test_output_files_and_errors(tmp_path):
+    model, tokenizer = tiny_setup()
+    rows = dna_rows(tokenizer, 9)
+    common = dict(batch_size=4, tokenizer=tokenizer, progress=False)
+    in_memory = embed_dataset(model, rows, **common)
+    as_npy = embed_dataset(model, rows, output_file=tmp_path / "e.npy", **common)
+    as_st = embed_dataset(model, rows, output_file=tmp_path / "sub" / "e.safetensors", metadata={"k": "v"}, **common)
+    np.testing.assert_array_equal(np.load(tmp_path / "e.npy"), in_memory)
+    np.testing.assert_array_equal(np.asarray(as_npy), in_memory)
+    np.testing.assert_array_equal(load_file(tmp_path / "sub" / "e.safetensors")["embeddings"], in_memory)
+    np.testing.assert_array_equal(np.asarray(as_st), in_memory)
+    with safe_open(tmp_path / "sub" / "e.safetensors", "np") as f:
+        assert f.metadata() == {"k": "v"}
+    assert not list(tmp_path.rglob("*.partial"))
+    half = embed_dataset(model, rows, dtype=torch.float16, output_file=tmp_path / "h.safetensors", **common)
+    assert load_file(tmp_path / "h.safetensors")["embeddings"].dtype == np.float16
+    np.testing.assert_allclose(np.asarray(half, dtype=np.float32), in_memory, atol=1e-2, rtol=1e-2)
+
+    with pytest.raises(ValueError, match=r"output_file='x.csv' must end in \.npy or \.safetensors"):
+        embed_dataset(model, rows, output_file="x.csv", **common)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        embed_dataset(model, [], **common)
+    with pytest.raises(ValueError, match=r"different lengths \[5, 6\] and no tokenizer"):
+        embed_dataset(model, [{"input_ids": [2, 5, 6, 7, 3]}, {"input_ids": [2, 5, 6, 7, 8, 3]}], progress=False)
+
+
+def test_mis_launch_is_an_error(monkeypatch):
+    """Processes started by a launcher that formed no group would each embed everything and race on the file."""
+    model, tokenizer = tiny_setup()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lone = SimpleNamespace(num_processes=1, process_index=0, distributed_type=DistributedType.NO)
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2.*ACCELERATE_USE_CPU=1"):
+        embed_dataset(model, dna_rows(tokenizer, 3), state=lone, tokenizer=tokenizer, progress=False)
+
+
+def test_data_parallel_path_matches_one_process():
+    model, tokenizer = tiny_setup("left")
+    rows = dna_rows(tokenizer, 7)
+    want = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False)
+    # DataParallel over 2 virtual devices (the project's CPU simulation: same chunking and gather as torch's).
+    with simulate_data_parallel(2):
+        got_dp = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=True)
+    np.testing.assert_allclose(got_dp, want, atol=ATOL, rtol=0)
+    # A callable wraps instead: BalancedDataParallel with 1 row on GPU 0 out of each batch of 3 on 3 devices.
+    wrappers = []
+
+    def balanced(module):
+        wrappers.append(SimulatedBalancedDataParallel(module, gpu0_bsz=1, n_devices=3))
+        return wrappers[-1]
+
+    got_balanced = embed_dataset(
+        model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=balanced
+    )
+    np.testing.assert_allclose(got_balanced, want, atol=ATOL, rtol=0)
+    assert len(wrappers) == 1 and wrappers[0].last_chunk_sizes is not None
+    # Real torch.nn.DataParallel on a machine without GPUs runs the module directly; and a model the user already
+    # wrapped is unwrapped first.
+    got_torch_dp = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=True)
+    np.testing.assert_allclose(got_torch_dp, want, atol=ATOL, rtol=0)
+    got_wrapped = embed_dataset(torch.nn.DataParallel(model), rows, batch_size=3, tokenizer=tokenizer, progress=False)
+    np.testing.assert_allclose(got_wrapped, want, atol=ATOL, rtol=0)
+
+
+# --- two ranks ----------------------------------------------------------------------------------------------------
+
+
+def _ddp_worker(out_dir: str):
+    # debug_launcher forks this pytest process. Once the parent has run a multi-threaded op, the forked child hangs
+    # in its first one (libgomp's thread pool does not survive fork; seen here with torch 2.13 and 2 threads).
+    torch.set_num_threads(1)
+    state = PartialState(cpu=True)
+    assert state.num_processes == 2 and dist.get_world_size() == 2
+    assert state.distributed_type == DistributedType.MULTI_CPU
+    rank = state.process_index
+    for n, batch, pooling, side in DDP_CASES:
+        model, tokenizer = tiny_setup(side)
+        rows = dna_rows(tokenizer, n)
+        path = Path(out_dir) / f"ddp_{n}_{batch}_{pooling}_{side}.safetensors"
+        result = embed_dataset(model, rows, batch_size=batch, pooling=pooling, tokenizer=tokenizer, output_file=path)
+        # Inference needs no DDP wrapper (no gradients): the model stays a plain module on this rank's device.
+        assert type(model).__name__ == "BertForMaskedLM" and next(model.parameters()).device.type == state.device.type
+        if rank == 0:
+            assert result.shape == (n, 32)
+        else:
+            assert result is None
+        assert path.exists()  # every rank returns after the main process has finished the file
+    with pytest.raises(ValueError, match="DataParallel inside a multi-process launch"):
+        embed_dataset(model, rows, tokenizer=tokenizer, data_parallel=True)
+    # Same weights on both ranks (same seed): else "equal embeddings" would prove nothing about the gather.
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    assert torch.equal(gathered[0], gathered[1])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _debug_launch(function, args: tuple) -> None:
+    """debug_launcher over 2 CPU ranks, minus one false failure: its rendezvous FileStore deletes its file when the
+    ranks destroy the process group, and the launcher's own clean-up then raises FileNotFoundError."""
+    try:
+        debug_launcher(function, args=args, num_processes=2)
+    except FileNotFoundError as error:
+        if not str(error.filename).startswith(tempfile.gettempdir()):
+            raise
+
+
+def test_two_rank_ddp_equals_one_process(tmp_path):
+    _debug_launch(_ddp_worker, (str(tmp_path),))
+    for n, batch, pooling, side in DDP_CASES:
+        model, tokenizer = tiny_setup(side)
+        rows = dna_rows(tokenizer, n)
+        ddp = load_file(tmp_path / f"ddp_{n}_{batch}_{pooling}_{side}.safetensors")["embeddings"]
+        single = embed_dataset(model, rows, batch_size=batch, pooling=pooling, tokenizer=tokenizer, progress=False)
+        assert ddp.shape == single.shape == (n, 32), (n, ddp.shape)
+        np.testing.assert_allclose(ddp, single, atol=ATOL, rtol=0, err_msg=f"{n} rows, batch {batch}")
+        np.testing.assert_allclose(ddp, one_by_one(model, rows, pooling), atol=ATOL, rtol=0)
+
+
+# --- the example: reading, chunking, a real launch ----------------------------------------------------------------
+
+FASTQ = "@r1\nACGTAC\n+\nIIIIII\n@r2\nGGN\n+r2\n#I#\n"
+
+
+def _write(path: Path, text: str, gz: bool = False) -> Path:
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_read_fastq_fasta_text_plain_and_gzipped(tmp_path):
+    read = embed_example.read_sequences
+    assert read(_write(tmp_path / "a.fastq", FASTQ)) == ["ACGTAC", "GGN"]
+    assert read(_write(tmp_path / "a.fq.gz", FASTQ, gz=True)) == ["ACGTAC", "GGN"]
+    # gzip is found by its magic bytes even under a plain name; the format by the first character.
+    assert read(_write(tmp_path / "reads", FASTQ, gz=True)) == ["ACGTAC", "GGN"]
+    fasta = ">s1 first\nACGT\nacgt\n\n>s2\nNNA\n"
+    assert read(_write(tmp_path / "a.fa", fasta)) == ["ACGTACGT", "NNA"]
+    assert read(_write(tmp_path / "a.fasta.gz", fasta, gz=True)) == ["ACGTACGT", "NNA"]
+    assert read(_write(tmp_path / "a.txt", "ACGT\n\nttga\n")) == ["ACGT", "TTGA"]
+    assert read(_write(tmp_path / "x.fastq", FASTQ + "\n\n")) == ["ACGTAC", "GGN"]  # trailing blank lines
+
+
+MALFORMED = {
+    "header": ("@r1\nACGT\n+\nIIII\nr2\nACGT\n+\nIIII\n", r"line 5: expected a FASTQ header starting with '@'"),
+    "plus": ("@r1\nACGT\n-\nIIII\n", r"line 3: expected the '\+' separator line"),
+    "quality": ("@r1\nACGT\n+\nIIII\n@r2\nACGT\n+\nIII\n", r"line 8: the quality line has 3 characters.*line 6"),
+    "truncated": ("@r1\nACGT\n+\nIIII\n@r2\nACGT\n", r"line 6: the file ends inside the record that starts on line 5"),
+    "character": ("@r1\nAC1T\n+\nIIII\n", r"line 2: invalid character '1'"),
+    "blank": ("@r1\nACGT\n+\nIIII\n\n@r2\nACGT\n+\nIIII\n", r"line 5: blank line inside the file"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_fastq_names_the_line(tmp_path, case):
+    text, message = MALFORMED[case]
+    path = _write(tmp_path / "bad.fastq", text)
+    with pytest.raises(embed_example.SequenceFormatError, match=message) as info:
+        embed_example.read_sequences(path)
+    assert str(path) in str(info.value)
+
+
+def _source_chunks(fastq_text: str, outer: int, inner: int) -> list[str]:
+    """The source document's read_in_chunks + get_chuncks, verbatim in logic, as the oracle."""
+    import io
+
+    def read_in_chunks(file_object, chunk_size):
+        sequence = ""
+        while True:
+            identifier = file_object.readline()
+            if not identifier:
+                break
+            sequence_line = file_object.readline().strip()
+            file_object.readline()
+            file_object.readline()
+            sequence += sequence_line
+            while len(sequence) >= chunk_size:
+                yield sequence[:chunk_size]
+                sequence = sequence[chunk_size:]
+        if sequence:
+            yield sequence
+
+    true_chunks = []
+    for m in read_in_chunks(io.StringIO(fastq_text), outer):
+        true_chunks.extend(m[i : i + inner] for i in range(0, len(m), inner))
+    return true_chunks
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 12, 64, 10_000])
+def test_chunking_matches_the_source_document(tmp_path, chunk_size):
+    text = (ROOT / "examples" / "data" / "reads.fastq").read_text()
+    seqs = embed_example.read_sequences(ROOT / "examples" / "data" / "reads.fastq")
+    ours = embed_example.chunk_sequences(seqs, chunk_size)
+    # The source cuts at 982,560 = 80 x 12,282, then at 12,282: the same as one cut at the inner size.
+    assert ours == _source_chunks(text, 80 * chunk_size, chunk_size)
+    assert "".join(ours) == "".join(seqs)
+    per_read = embed_example.chunk_sequences(seqs, chunk_size, per_read=True)
+    assert per_read == [s[i : i + chunk_size] for s in seqs for i in range(0, len(s), chunk_size)]
+
+
+def test_shipped_reads_are_what_the_script_makes():
+    spec = importlib.util.spec_from_file_location("make_reads", ROOT / "examples" / "data" / "make_reads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "examples" / "data" / "reads.fastq").read_text() == module.make_reads()
+    assert len(embed_example.read_sequences(ROOT / "examples" / "data" / "reads.fastq")) == 200
+
+
+@pytest.mark.slow
+def test_example_real_launch_two_processes_equals_one(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 examples/embed.py` on CPU == the same script in-process."""
+    embed_example.main(["--output_file", str(tmp_path / "one.npy"), "--no_progress"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [str(ROOT / "examples" / "embed.py"), "--output_file", str(tmp_path / "two.npy"), "--no_progress"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 process(es)" in proc.stdout and proc.stdout.count("Embedded") == 1
+    one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
+    assert one.shape == two.shape == (101, 32)  # 200 reads, 6,438 bases, cut at 64
+    np.testing.assert_allclose(two, one, atol=ATOL, rtol=0)

@@ -1,0 +1,374 @@
+"""
+hf_parallel.Trainer saves clean checkpoints and resumes from them in every set-up; CleanCheckpointCallback does the
+same for the stock Trainer; a training killed with SIGKILL resumes to the same weights.
+"""
+
+import contextlib
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors import safe_open
+from torch import nn
+from transformers import BertForSequenceClassification
+
+from hf_parallel import CleanCheckpointCallback, Trainer, TrainingArguments, load_state_dict, unwrap_model
+from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, simulated_training_args
+from tests.equivalence import debug_launch
+from tests.tiny import classification_rows, tiny_bert_classifier
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed" / "save_train_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from save_train_worker import MAX_STEPS, make_trainer  # noqa: E402
+
+WRAPPER_PARTS = {"module", "_orig_mod"}
+
+# How each set-up is built: the args, the model handed to the Trainer, and the simulated GPUs (0: none).
+CASES = {
+    "plain": dict(),
+    "dp": dict(n_gpu=2),
+    "balanced_dp": dict(n_gpu=3, args=dict(gpu0_bsz=1)),
+    "compile": dict(args=dict(torch_compile=True, torch_compile_backend="eager")),
+    "user_dp": dict(n_gpu=2, wrap=lambda m: nn.DataParallel(m)),
+    "user_balanced_dp": dict(n_gpu=3, wrap=lambda m: SimulatedBalancedDataParallel(m, gpu0_bsz=1, n_devices=3)),
+    # A model compiled by the user: stock's column filter sees only `forward(*args, **kwargs)`, so keep every column.
+    "user_compiled": dict(wrap=lambda m: torch.compile(m, backend="eager"), args=dict(remove_unused_columns=False)),
+}
+
+
+def _args_kw(output_dir, **kw):
+    base = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        save_steps=2,
+        save_strategy="steps",
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        logging_steps=100,
+    )
+    base.update(kw)
+    return base
+
+
+@contextlib.contextmanager
+def _setup(
+    case,
+    output_dir,
+    seed=0,
+    trainer_cls=Trainer,
+    args_cls=TrainingArguments,
+    callbacks=None,
+    eval_dataset=None,
+    **extra,
+):
+    spec = CASES[case]
+    kw = _args_kw(output_dir, **{**spec.get("args", {}), **extra})
+    n_gpu = spec.get("n_gpu", 0)
+    with simulate_data_parallel(n_gpu) if n_gpu else contextlib.nullcontext():
+        args = simulated_training_args(n_gpu, args_cls, **kw) if n_gpu else args_cls(**kw)
+        model = tiny_bert_classifier(seed=seed)
+        handed = spec.get("wrap", lambda m: m)(model)
+        trainer = trainer_cls(
+            model=handed,
+            args=args,
+            train_dataset=classification_rows(24, seed=1),
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
+        )
+        yield trainer, model
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()}
+
+
+def _assert_same(a, b, atol=1e-6):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
+
+
+def _stored_keys(checkpoint):
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+PROBE = classification_rows(6, seed=7)
+
+
+def _logits(model):
+    batch = {k: torch.stack([r[k] for r in PROBE.rows]) for k in ("input_ids", "attention_mask")}
+    model.eval()
+    with torch.no_grad():
+        return unwrap_model(model)(**batch).logits
+
+
+def _assert_clean_checkpoint(checkpoint, trained, same_step=True):
+    """The checkpoint has exactly the model's keys; from_pretrained rebuilds the same predictions (same_step)."""
+    inner = unwrap_model(trained)
+    keys = _stored_keys(checkpoint)
+    assert not any(WRAPPER_PARTS & set(k.split(".")) for k in keys), sorted(keys)[:3]
+    assert keys == set(inner.state_dict())
+    reloaded, info = BertForSequenceClassification.from_pretrained(checkpoint, output_loading_info=True)
+    assert info["missing_keys"] == set() or info["missing_keys"] == []
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    if same_step:
+        torch.testing.assert_close(_logits(reloaded), _logits(inner), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoints_are_clean_and_resume(case, tmp_path):
+    with _setup(case, tmp_path / "run") as (trainer, model):
+        trainer.train()
+        if case in ("dp", "balanced_dp", "user_dp", "user_balanced_dp"):  # the topology the case is about
+            assert trainer.args.n_gpu == CASES[case]["n_gpu"]
+            assert isinstance(trainer.model_wrapped, nn.DataParallel)
+            assert unwrap_model(trainer.model_wrapped) is model
+        if case in ("balanced_dp", "user_balanced_dp"):
+            assert trainer.model_wrapped.gpu0_bsz == 1 and trainer.args.gpu0_bsz == 1
+        if case.startswith("user_"):
+            assert trainer.model is not trainer.model_wrapped or case == "user_compiled"
+        final = _weights(trainer.model)
+    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-2", model, same_step=False)
+    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-4", model)
+    trainer.save_model(tmp_path / "final")
+    _assert_clean_checkpoint(tmp_path / "final", model)
+
+    # Resume into a model with other initial weights: a silently skipped load would end elsewhere.
+    with _setup(case, tmp_path / "resumed", seed=1) as (resumed, _):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+        _assert_same(_weights(resumed.model), final)
+
+
+def test_resume_from_a_prefixed_checkpoint(tmp_path):
+    with _setup("plain", tmp_path / "run") as (trainer, _):
+        trainer.train()
+        final = _weights(trainer.model)
+    clean = safetensors.torch.load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
+    for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
+        # An older run (or another tool) wrote the weights of a wrapped model.
+        checkpoint = tmp_path / f"old-{prefix}" / "checkpoint-2"
+        shutil.copytree(tmp_path / "run" / "checkpoint-2", checkpoint)
+        safetensors.torch.save_file({prefix + k: v for k, v in clean.items()}, checkpoint / "model.safetensors")
+        with _setup("plain", tmp_path / f"ours-{prefix}", seed=1) as (ours, _):
+            ours.train(resume_from_checkpoint=str(checkpoint))
+            _assert_same(_weights(ours.model), final)
+
+    # Control: stock resumes from the random initial weights with only a warning.
+    with _setup(
+        "plain", tmp_path / "stock", seed=1, trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments
+    ) as (stock, _):
+        stock.train(resume_from_checkpoint=str(checkpoint))
+        stock_final = _weights(stock.model)
+    assert (stock_final["classifier.weight"] - final["classifier.weight"]).abs().max() > 1e-3
+
+
+def test_resume_fails_loudly_on_another_model(tmp_path):
+    with _setup("plain", tmp_path / "run") as (trainer, _):
+        trainer.train()
+    trainer = Trainer(
+        model=tiny_bert_classifier(num_labels=3),
+        args=TrainingArguments(**_args_kw(tmp_path / "other")),
+        train_dataset=classification_rows(24, num_labels=3),
+    )
+    with pytest.raises(ValueError, match=r"shapes differ .*classifier"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_load_best_model_at_end_with_user_wrapped_model(tmp_path):
+    with _setup(
+        "user_dp",
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,  # the worse eval_loss is the "best": a step whose weights differ from the last
+        eval_dataset=classification_rows(4, seed=3),
+    ) as (trainer, model):
+        trainer.train()
+        best = trainer.state.best_model_checkpoint
+    assert best is not None
+    stored = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
+    _assert_same(_weights(model), stored, atol=0)
+
+
+def test_stock_trainer_fails_on_a_user_wrapped_model(tmp_path):
+    """The two failures hf_parallel.Trainer fixes (DESIGN.md): no columns left, then a `module.` checkpoint."""
+    kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments)
+    with _setup("user_dp", tmp_path / "a", **kw) as (stock, _):
+        with pytest.raises(ValueError, match="The batch received was empty"):
+            stock.train()
+    with _setup("user_dp", tmp_path / "b", remove_unused_columns=False, **kw) as (stock, _):
+        stock.train()
+    keys = _stored_keys(tmp_path / "b" / "checkpoint-2")
+    assert all(k.startswith("module.") for k in keys)
+    _, info = BertForSequenceClassification.from_pretrained(tmp_path / "b" / "checkpoint-2", output_loading_info=True)
+    assert "classifier.weight" in info["missing_keys"]  # from_pretrained "loads" it: every weight random
+
+
+@pytest.mark.parametrize("case", ["user_dp", "user_compiled"])
+def test_callback_cleans_stock_checkpoints(case, tmp_path, caplog):
+    kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments, remove_unused_columns=False)
+    callback = CleanCheckpointCallback()
+    with _setup(case, tmp_path / "run", callbacks=[callback], **kw) as (stock, model):
+        stock.train()
+        final = _weights(model)
+    assert callback.rewritten == [str(tmp_path / "run" / f"checkpoint-{s}") for s in (2, 4)]
+    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-2", model, same_step=False)
+    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-4", model)
+
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    if case == "user_dp":
+        assert "cannot resume from them into the wrapper" in caplog.text
+        # The documented way: stock gets the bare model (and wraps it itself on several GPUs).
+        with _setup("dp", tmp_path / "bare", seed=1, callbacks=[CleanCheckpointCallback()], **kw) as (resumed, _):
+            resumed.train(resume_from_checkpoint=checkpoint)
+            _assert_same(_weights(resumed.model), final)
+        return
+    # Stock resumes the compiled wrapper non-strictly, matching no clean key; the callback loads the checkpoint.
+    with _setup(case, tmp_path / "run", seed=1, callbacks=[CleanCheckpointCallback()], **kw) as (resumed, _):
+        resumed.train(resume_from_checkpoint=checkpoint)
+        _assert_same(_weights(resumed.model), final)
+    with _setup(case, tmp_path / "run", seed=1, **kw) as (control, _):  # without the callback
+        control.train(resume_from_checkpoint=checkpoint)
+        control_final = _weights(control.model)
+    assert (control_final["classifier.weight"] - final["classifier.weight"]).abs().max() > 1e-3
+
+
+def test_callback_leaves_clean_checkpoints_alone(tmp_path):
+    callback = CleanCheckpointCallback()
+    kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments)
+    with _setup("plain", tmp_path, callbacks=[callback], **kw) as (stock, _):
+        stock.train()
+    assert callback.rewritten == []
+
+
+# ---- The process is killed mid-epoch ----
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(killed), "5"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed / "ready").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the worker never reached step 5"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-3"]  # killed between two saves
+
+    resumed = make_trainer(str(killed), seed=1)  # other initial weights: only the checkpoint can make them equal
+    resumed.train(resume_from_checkpoint=True)  # the last checkpoint in output_dir
+    assert resumed.state.global_step == MAX_STEPS
+
+    uninterrupted = make_trainer(str(tmp_path / "uninterrupted"))
+    uninterrupted.train()
+    _assert_same(_weights(resumed.model), _weights(uninterrupted.model), atol=1e-6)
+    # Control: a run that restarts from scratch (no resume) ends elsewhere.
+    restarted = make_trainer(str(tmp_path / "restarted"), seed=1)
+    restarted.train()
+    assert (
+        _weights(restarted.model)["classifier.weight"] - _weights(uninterrupted.model)["classifier.weight"]
+    ).abs().max() > 1e-3
+
+
+# ---- DDP: two ranks on CPU ----
+
+
+def _ddp_worker(output_dir):
+    from accelerate import PartialState
+    from transformers.training_args import ParallelMode
+
+    state = PartialState()
+    for wrap_by_user in (False, True):
+        run = Path(output_dir) / ("user_ddp" if wrap_by_user else "ddp")
+        args = TrainingArguments(**_args_kw(run))
+        assert args.world_size == 2 and args.parallel_mode == ParallelMode.DISTRIBUTED
+        model = tiny_bert_classifier(seed=0)
+        handed = nn.parallel.DistributedDataParallel(model) if wrap_by_user else model
+        trainer = Trainer(model=handed, args=args, train_dataset=classification_rows(24, seed=1))
+        assert trainer.model is model
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)
+        assert unwrap_model(trainer.model_wrapped) is model
+        final = _weights(model)
+        if state.is_main_process:
+            _assert_clean_checkpoint(run / "checkpoint-4", model)
+        state.wait_for_everyone()
+
+        resumed = Trainer(
+            model=tiny_bert_classifier(seed=1 + state.process_index),  # differs across ranks, too
+            args=TrainingArguments(**_args_kw(run / "resumed")),
+            train_dataset=classification_rows(24, seed=1),
+        )
+        resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+        _assert_same(_weights(resumed.model), final)
+        for name, param in resumed.model.named_parameters():  # equal across ranks
+            gathered = [torch.empty_like(param) for _ in range(2)]
+            dist.all_gather(gathered, param.detach().contiguous())
+            torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0, msg=name)
+    (Path(output_dir) / f"done-{state.process_index}").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
+    debug_launch(_ddp_worker, (str(tmp_path),), num_processes=2)
+    assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
+
+
+# ---- The private hooks we override must keep their upstream signatures ----
+
+OVERRIDDEN_PRIVATE_HOOKS = {
+    "_save": ["self", "output_dir", "state_dict"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "_load_best_model": ["self"],
+}
+
+
+@pytest.mark.parametrize("name", list(OVERRIDDEN_PRIVATE_HOOKS))
+def test_private_hook_signatures(name):
+    upstream = inspect.signature(getattr(transformers.Trainer, name))
+    ours = inspect.signature(getattr(Trainer, name))
+    assert list(upstream.parameters) == OVERRIDDEN_PRIVATE_HOOKS[name], f"transformers changed Trainer.{name}"
+    assert list(ours.parameters) == list(upstream.parameters)
+    for param in upstream.parameters.values():
+        assert ours.parameters[param.name].default == param.default, (name, param.name)
+
+
+def test_load_state_dict_is_the_public_loader(tmp_path):
+    with _setup("user_dp", tmp_path) as (trainer, model):
+        trainer.train()
+    target = nn.DataParallel(tiny_bert_classifier(seed=5))
+    load_state_dict(target, tmp_path / "checkpoint-4")
+    _assert_same(_weights(target), _weights(model), atol=0)
