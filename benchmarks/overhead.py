@@ -105,14 +105,18 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
     torch.manual_seed(0)
     model = build()
     timer = StepTimer(warmup)
-    trainer_cls, args_cls = (transformers.Trainer, transformers.TrainingArguments) if stock else (Trainer, TrainingArguments)
+    if stock:
+        trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
+    else:
+        trainer_cls, args_cls = Trainer, TrainingArguments
     with tempfile.TemporaryDirectory() as tmp:
         args = args_cls(
             output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + warmup, learning_rate=1e-4,
             logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
             use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         )
-        trainer = trainer_cls(model=model, args=args, train_dataset=Rows(batch * (steps + warmup) * 2, lm), callbacks=[timer])
+        rows = Rows(batch * (steps + warmup) * 2, lm)
+        trainer = trainer_cls(model=model, args=args, train_dataset=rows, callbacks=[timer])
         base = _reset_peak()
         trainer.train()
         peak = _peak() - base
@@ -172,15 +176,11 @@ def main() -> None:
     single = {w: measure(w, options.steps, options.warmup, options.rounds) for w in WORKLOADS}
     report("single process", single)
     if not options.no_ddp:
-        from accelerate import debug_launcher
+        from tests.equivalence import spawn_ranks
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "ddp.pt")
-            try:
-                debug_launcher(ddp_worker, args=(options.steps, options.warmup, options.rounds, out), num_processes=2)
-            except FileNotFoundError as error:  # the launcher's rendezvous file, already removed by torch
-                if not str(error.filename).startswith(tempfile.gettempdir()):
-                    raise
+            spawn_ranks(ddp_worker, (options.steps, options.warmup, options.rounds, out), 2)
             report("DDP 2 (rank 0)", torch.load(out, weights_only=False))
 
 

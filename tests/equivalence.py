@@ -152,23 +152,41 @@ def ddp_worker(case_names: list[str], topology: Topology, out_dir: str, stock: b
     dist.destroy_process_group()
 
 
-def debug_launch(function, args: tuple, num_processes: int) -> None:
-    """
-    `accelerate.debug_launcher`, minus one false failure: its rendezvous file is a torch FileStore, which deletes the
-    file when the last rank lets go of it, and the launcher then fails to delete it again (FileNotFoundError) after
-    every rank succeeded. A worker that fails still raises.
-    """
-    from accelerate import debug_launcher
+def _rank_entry(rank: int, function, args: tuple, world_size: int, store_path: str) -> None:
+    os.environ.update(
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        ACCELERATE_USE_CPU="yes",
+        ACCELERATE_MIXED_PRECISION="no",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
+    function(*args)
 
-    try:
-        debug_launcher(function, args=args, num_processes=num_processes)
-    except FileNotFoundError as error:
-        if not str(error.filename).startswith(tempfile.gettempdir()):
-            raise
+
+def spawn_ranks(function, args: tuple, num_processes: int) -> None:
+    """
+    Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group.
+
+    Like `accelerate.debug_launcher`, but spawned, not forked: a fork of a process whose OpenMP thread pool has
+    already run (any earlier torch op in the test session) can deadlock in the child, which then waits forever on a
+    futex. A failing rank raises here with its traceback.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.start_processes(
+            _rank_entry,
+            args=(function, args, num_processes, os.path.join(tmp, "store")),
+            nprocs=num_processes,
+            start_method="spawn",
+        )
 
 
 def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = False) -> dict:
-    debug_launch(ddp_worker, (case_names, topology, str(tmp_path), stock), topology.processes)
+    spawn_ranks(ddp_worker, (case_names, topology, str(tmp_path), stock), topology.processes)
     return torch.load(os.path.join(tmp_path, "results.pt"), weights_only=False)
 
 
@@ -182,3 +200,6 @@ def max_relative_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     scale = max(t.abs().max().item() for t in b.values()) or 1.0
     return max((a[name] - b[name]).abs().max().item() for name in a) / scale
+
+
+debug_launch = spawn_ranks  # the earlier name, still used by other test modules

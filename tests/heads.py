@@ -7,8 +7,8 @@ so a split of the batch that averages per-device means is visibly wrong, and at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import (

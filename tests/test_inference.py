@@ -267,8 +267,11 @@ def test_data_parallel_path_matches_one_process():
 
 
 def _ddp_worker(out_dir: str):
-    # debug_launcher forks this pytest process. Once the parent has run a multi-threaded op, the forked child hangs
-    # in its first one (libgomp's thread pool does not survive fork; seen here with torch 2.13 and 2 threads).
+    # debug_launcher forks this pytest process. Once the parent has run a multi-threaded op, a forked child hangs in
+    # its first multi-threaded one (libgomp's thread pool does not survive fork): keep the ranks on one thread, and
+    # stop PartialState from raising it again (it sets cpu_count(logical=False) / 2 threads when OMP_NUM_THREADS is
+    # unset, which is more than 1 on a host whose cores exceed what this container is given).
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     state = PartialState(cpu=True)
     assert state.num_processes == 2 and dist.get_world_size() == 2
