@@ -230,12 +230,24 @@ class Trainer(transformers.Trainer):
                 "passes it num_items_in_batch as an [n_gpu, 1] tensor, one row per GPU, which a balanced split cannot "
                 "follow. Set exact_loss=True (the default) or unset gpu0_bsz/gpu0_weight."
             )
+        if training and not args.exact_loss:
+            logger.warning_once(
+                f"{setting} with exact_loss=False: the stock loss averages the per-GPU mean losses, which is not the "
+                "batch mean when the chunks differ in size, as they do here. Keep exact_loss=True (the default)."
+            )
         # Looked up at call time, as the stock Trainer looks up nn.DataParallel, so that
         # hf_parallel.testing.simulate_data_parallel can substitute its CPU simulation.
         balanced_class = getattr(torch.nn.DataParallel, "hf_parallel_balanced_class", BalancedDataParallel)
         # Past the DataParallel wrap, stock only adds wrappers for XLA FSDP and SageMaker DP, neither of which runs
         # with n_gpu > 1 in one process, so the wrapped model is final for training and evaluation alike.
         return balanced_class(model, gpu0_bsz=args.gpu0_bsz, gpu0_weight=args.gpu0_weight)
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        if self.args.exact_loss and self.accelerator.num_processes > 1:
+            # Stock adds this rank's not-yet-logged loss to `train_loss` as it is: each rank would then report its own
+            # share. Logging averages over ranks first; do the same for the remainder.
+            self._tr_loss.copy_(self.accelerator.reduce(self._tr_loss.detach().clone(), reduction="mean"))
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ---- DDP after evaluate() ----
     def train(

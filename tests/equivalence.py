@@ -117,14 +117,15 @@ def run_case(
 
             with simulate_data_parallel(topology.dp_devices):
                 eval_loss = trainer.evaluate()["eval_loss"]
-                trainer.train()
+                train_loss = trainer.train().training_loss
         else:
             # evaluate() first on purpose: under DDP stock then trains without DDP (see DESIGN.md).
             eval_loss = trainer.evaluate()["eval_loss"]
-            trainer.train()
+            train_loss = trainer.train().training_loss
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
             "loss": capture.loss,
+            "train_loss": train_loss,
             "eval_loss": eval_loss,
             "grads": capture.grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -135,11 +136,11 @@ def run_case(
     return result
 
 
-def ddp_worker(case_names: list[str], topology: Topology, out_dir: str, stock: bool = False) -> None:
-    """Body of each DDP rank (accelerate.debug_launcher): runs every case, rank 0 saves the results."""
+def ddp_worker(case_names: list[str], topology: Topology, out_dir: str, stock: bool = False, overrides=None) -> None:
+    """Body of each DDP rank (see `spawn_ranks`): runs every case, rank 0 saves the results."""
     results = {}
     for name in case_names:
-        result = run_case(name, topology, stock=stock)
+        result = run_case(name, topology, stock=stock, **(overrides or {}))
         # Parameters must be equal on every rank, or the ranks trained apart.
         flat = torch.cat([p.flatten() for p in result["params"].values()])
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -185,8 +186,8 @@ def spawn_ranks(function, args: tuple, num_processes: int) -> None:
         )
 
 
-def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = False) -> dict:
-    spawn_ranks(ddp_worker, (case_names, topology, str(tmp_path), stock), topology.processes)
+def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = False, **overrides) -> dict:
+    spawn_ranks(ddp_worker, (case_names, topology, str(tmp_path), stock, overrides), topology.processes)
     return torch.load(os.path.join(tmp_path, "results.pt"), weights_only=False)
 
 

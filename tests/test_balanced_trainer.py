@@ -141,6 +141,47 @@ def test_stock_loss_with_loss_kwargs_model_is_refused(tmp_path):
             trainer.train()
 
 
+class Regressor(torch.nn.Module):
+    """A model without loss kwargs (no **kwargs), so the stock loss runs under a balanced split."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(3, 1)
+        self.chunk_means = []
+
+    def forward(self, x, labels=None):
+        pred = self.linear(x).squeeze(-1)
+        loss = ((pred - labels) ** 2).mean()
+        self.chunk_means.append(loss.item())
+        return {"loss": loss, "pred": pred}
+
+
+def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warning(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 3, generator=g), torch.randn(6, generator=g) * 3
+    data = [{"x": x[i], "labels": y[i]} for i in range(6)]
+    args = simulated_training_args(
+        3, **_arguments(tmp_path, per_device_train_batch_size=2, max_steps=1, gpu0_bsz=1, exact_loss=False)
+    )
+    logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
+    transformers.utils.logging.set_verbosity_warning()
+    if hasattr(logger.warning_once, "cache_clear"):
+        logger.warning_once.cache_clear()
+    model = Regressor()
+    with simulate_data_parallel(3), CaptureLogger(logger) as captured:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    assert "averages the per-GPU mean losses" in captured.out
+    assert trainer.model_wrapped.last_chunk_sizes == [1, 3, 2]
+    logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert len(model.chunk_means) == 3
+    assert logged == pytest.approx(sum(model.chunk_means) / 3, rel=1e-5)  # stock: the mean of the 3 chunk means
+    exact = (model.chunk_means[0] * 1 + model.chunk_means[1] * 3 + model.chunk_means[2] * 2) / 6
+    print(f"stock / exact: {logged / exact:.3f}")
+    assert abs(logged / exact - 1) > 0.01  # ... which is not the batch mean
+
+
 def test_ignored_on_one_device_with_one_warning(tmp_path):
     logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
     transformers.utils.logging.set_verbosity_warning()
@@ -201,14 +242,15 @@ def _ddp_worker(output_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes, each importing transformers: ~40 s on the 2-core CI machine
 def test_ignored_under_ddp(tmp_path):
-    from tests.equivalence import debug_launch
+    from tests.equivalence import spawn_ranks
 
     transformers.utils.logging.set_verbosity_warning()
     logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
     if hasattr(logger.warning_once, "cache_clear"):
         logger.warning_once.cache_clear()
-    debug_launch(_ddp_worker, (str(tmp_path),), 2)
+    spawn_ranks(_ddp_worker, (str(tmp_path),), 2)
 
 
 # ---- Memory callbacks and the advisor ----
@@ -284,8 +326,8 @@ def test_advisor_uses_the_balanced_split_in_use(monkeypatch, tmp_path):
     state.global_step = 1
     advisor.on_step_end(args, state, None, model=None)
     assert advisor.measured["rows"] == [2, 5, 5]
-    # Equal peaks with GPU 0 holding 2 rows fewer than the others: it can take a bit more (10/5 = 2 per row).
-    assert advisor.suggestion == suggest_gpu0_bsz([10.0, 10.0, 10.0], [2, 5, 5]) == 4
+    # Equal peaks under the split in use: it already evens memory out, so the advice is the gpu0_bsz in use.
+    assert advisor.suggestion == suggest_gpu0_bsz([10.0, 10.0, 10.0], [2, 5, 5]) == 2
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,19 @@ def test_ddp_with_gradient_accumulation_equals_one_process(tmp_path):
         assert results[case]["wrapped"] == "DistributedDataParallel"
         assert results[case]["max_rank_param_diff"] == 0.0
         assert_equivalent(results[case], single(case), f"{case} under {topology.name}")
+        assert results[case]["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
+
+
+@pytest.mark.slow
+def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(tmp_path):
+    """With no logging step before the end, train_loss comes from each rank's remainder: averaged, not local."""
+    cases = ["gpt2_causal_lm", "bert_single_label"]
+    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+    results = run_ddp(cases, topology, tmp_path, logging_steps=1000)
+    for case in cases:
+        assert results[case]["world_size"] == 2
+        assert results[case]["loss"] is None  # nothing was logged during training
+        assert results[case]["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
 
 
 # ---- Controls: stock transformers differs where DESIGN.md says it does ---------------------------------------------
@@ -340,6 +353,7 @@ def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel
         ("evaluation_loop", ["self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
                              "metric_key_prefix"]),
         ("train", ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]),
+        ("_finalize_training", ["self", "trial", "num_train_samples", "start_time"]),
         ("_get_num_items_in_batch", ["self", "batch_samples", "device"]),
     ],
 )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from accelerate import PartialState, debug_launcher
+from accelerate import Accelerator, PartialState, debug_launcher
 from accelerate.state import DistributedType
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from torch.utils.data.distributed import DistributedSampler
 
-from hf_parallel import SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+from hf_parallel import SequenceEmbedder, embed_dataset, inference, pool_hidden_states, shard_batches
 from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ _spec.loader.exec_module(embed_example)
 ATOL = 1e-5
 # (rows, batch size per process, pooling, padding side): sizes not divisible by 2 ranks nor by the batch, and one
 # where rank 1 gets nothing at all (1 row).
-DDP_CASES = [(7, 2, "mean", "right"), (101, 8, "last", "left"), (1, 4, "cls", "right")]
+DDP_CASES = [(7, 2, "mean", "right"), (29, 4, "last", "left"), (1, 4, "cls", "right")]
 
 
 def tiny_setup(padding_side: str = "right", seed: int = 0):
@@ -205,7 +205,7 @@ def test_output_files_and_errors(tmp_path):
     rows = dna_rows(tokenizer, 9)
     common = dict(batch_size=4, tokenizer=tokenizer, progress=False)
     in_memory = embed_dataset(model, rows, **common)
-    as_npy = embed_dataset(model, rows, output_file=tmp_path / "e.npy", **common)
+    as_npy = embed_dataset(model, rows, output_file=tmp_path / "e.npy", state=Accelerator(cpu=True), **common)
     as_st = embed_dataset(model, rows, output_file=tmp_path / "sub" / "e.safetensors", metadata={"k": "v"}, **common)
     np.testing.assert_array_equal(np.load(tmp_path / "e.npy"), in_memory)
     np.testing.assert_array_equal(np.asarray(as_npy), in_memory)
@@ -218,12 +218,31 @@ def test_output_files_and_errors(tmp_path):
     assert load_file(tmp_path / "h.safetensors")["embeddings"].dtype == np.float16
     np.testing.assert_allclose(np.asarray(half, dtype=np.float32), in_memory, atol=1e-2, rtol=1e-2)
 
+    # A failure mid-way leaves no file behind, partial or not.
+    with pytest.raises(ValueError, match=r"dataset rows 4..5: Rows \[1\] of the batch have no real token"):
+        embed_dataset(
+            model,
+            rows[:5] + [{"input_ids": [0, 0], "attention_mask": [0, 0]}],
+            **common,
+            output_file=tmp_path / "f.safetensors",
+        )
+    assert not (tmp_path / "f.safetensors").exists() and not (tmp_path / "f.safetensors.partial").exists()
     with pytest.raises(ValueError, match=r"output_file='x.csv' must end in \.npy or \.safetensors"):
         embed_dataset(model, rows, output_file="x.csv", **common)
     with pytest.raises(ValueError, match="dataset is empty"):
         embed_dataset(model, [], **common)
     with pytest.raises(ValueError, match=r"different lengths \[5, 6\] and no tokenizer"):
         embed_dataset(model, [{"input_ids": [2, 5, 6, 7, 3]}, {"input_ids": [2, 5, 6, 7, 8, 3]}], progress=False)
+
+
+def test_hf_datasets_dataset_with_extra_columns():
+    import datasets
+
+    model, tokenizer = tiny_setup()
+    rows = dna_rows(tokenizer, 5)
+    table = datasets.Dataset.from_list(rows)  # has a string column "id", which the default collator drops
+    got = embed_dataset(model, table, batch_size=2, tokenizer=tokenizer, progress=False)
+    np.testing.assert_allclose(got, one_by_one(model, rows), atol=ATOL, rtol=0)
 
 
 def test_mis_launch_is_an_error(monkeypatch):
@@ -267,16 +286,18 @@ def test_data_parallel_path_matches_one_process():
 
 
 def _ddp_worker(out_dir: str):
-    # debug_launcher forks this pytest process. Once the parent has run a multi-threaded op, a forked child hangs in
-    # its first multi-threaded one (libgomp's thread pool does not survive fork): keep the ranks on one thread, and
-    # stop PartialState from raising it again (it sets cpu_count(logical=False) / 2 threads when OMP_NUM_THREADS is
-    # unset, which is more than 1 on a host whose cores exceed what this container is given).
+    # debug_launcher forks this pytest process, and once earlier tests have run multi-threaded ops here, the forked
+    # ranks hang in their first forward (OpenMP state does not survive fork). Measured: one thread per rank fixes
+    # it, but only with OMP_NUM_THREADS set too, since PartialState calls torch.set_num_threads itself when it is not.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     state = PartialState(cpu=True)
     assert state.num_processes == 2 and dist.get_world_size() == 2
     assert state.distributed_type == DistributedType.MULTI_CPU
     rank = state.process_index
+    bars = []  # the progress bar's `disable` flag, per call: shown on rank 0 only
+    real_tqdm = inference.logging.tqdm
+    inference.logging.tqdm = lambda *args, **kwargs: bars.append(kwargs["disable"]) or real_tqdm(*args, **kwargs)
     for n, batch, pooling, side in DDP_CASES:
         model, tokenizer = tiny_setup(side)
         rows = dna_rows(tokenizer, n)
@@ -289,6 +310,7 @@ def _ddp_worker(out_dir: str):
         else:
             assert result is None
         assert path.exists()  # every rank returns after the main process has finished the file
+    assert bars == [rank != 0] * len(DDP_CASES)
     with pytest.raises(ValueError, match="DataParallel inside a multi-process launch"):
         embed_dataset(model, rows, tokenizer=tokenizer, data_parallel=True)
     # Same weights on both ranks (same seed): else "equal embeddings" would prove nothing about the gather.

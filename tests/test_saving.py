@@ -24,7 +24,7 @@ from transformers import BertForSequenceClassification
 
 from hf_parallel import CleanCheckpointCallback, Trainer, TrainingArguments, load_state_dict, unwrap_model
 from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, simulated_training_args
-from tests.equivalence import debug_launch
+from tests.equivalence import spawn_ranks
 from tests.tiny import classification_rows, tiny_bert_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -343,7 +343,7 @@ def _ddp_worker(output_dir):
 
 @pytest.mark.slow
 def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
-    debug_launch(_ddp_worker, (str(tmp_path),), num_processes=2)
+    spawn_ranks(_ddp_worker, (str(tmp_path),), num_processes=2)
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
 
 
