@@ -89,6 +89,16 @@ def lm_rows(n: int, seed: int) -> list[dict]:
     return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
 
 
+def shift_label_rows(n: int, seed: int) -> list[dict]:
+    """Causal LM with the targets already shifted by the collator, and fewer of them than the labels give."""
+    rows = lm_rows(n, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    for row in rows:
+        shifted = torch.nn.functional.pad(row["labels"][1:], (0, 1), value=-100)
+        row["shift_labels"] = shifted.masked_fill(torch.rand(SEQ, generator=g) < 0.3, -100)
+    return rows
+
+
 def seq2seq_rows(n: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     ids, mask = _padded(g, n)
@@ -173,6 +183,7 @@ CASES = {
     for case in (
         Case("gpt2_causal_lm", _gpt2, lm_rows),
         Case("llama_causal_lm", _llama, lm_rows),
+        Case("llama_shift_labels", _llama, shift_label_rows),
         Case("bart_seq2seq", _bart, seq2seq_rows),
         Case("bert_masked_lm", _bert(BertForMaskedLM), mlm_rows),
         Case("bert_token_classification", _bert(BertForTokenClassification, num_labels=NUM_LABELS), token_rows),
