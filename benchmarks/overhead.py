@@ -117,6 +117,7 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
         )
         rows = Rows(batch * (steps + warmup) * 2, lm)
         trainer = trainer_cls(model=model, args=args, train_dataset=rows, callbacks=[timer])
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # one line per run, not per log
         base = _reset_peak()
         trainer.train()
         peak = _peak() - base
@@ -176,7 +177,7 @@ def main() -> None:
     single = {w: measure(w, options.steps, options.warmup, options.rounds) for w in WORKLOADS}
     report("single process", single)
     if not options.no_ddp:
-        from tests.equivalence import spawn_ranks
+        from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "ddp.pt")

@@ -242,7 +242,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    chunks = chunk_sequences(read_sequences(args.input, args.format), args.chunk_size, per_read=args.per_read)
+    try:
+        sequences = read_sequences(args.input, args.format)
+    except SequenceFormatError as error:
+        raise SystemExit(f"error: {error}") from None
+    chunks = chunk_sequences(sequences, args.chunk_size, per_read=args.per_read)
     if not chunks:
         raise SystemExit(f"{args.input} holds no sequence.")
 

@@ -388,10 +388,11 @@ class BalancedDataParallel(nn.DataParallel):
                 hint = ""
                 if path.endswith("['num_items_in_batch']"):
                     hint = (
-                        " transformers.Trainer passes num_items_in_batch to models that accept loss kwargs as an "
-                        "[n_gpu, 1] tensor, one row per GPU, which a balanced split cannot follow. Use "
-                        "hf_parallel.Trainer with exact_loss=True (the default), which does not pass it under "
-                        "DataParallel, or unset gpu0_bsz/gpu0_weight."
+                        " The stock Trainer loss passes num_items_in_batch to models that accept loss kwargs as an "
+                        "[n_gpu, 1] tensor, one row per GPU, which a balanced split cannot follow. "
+                        "hf_parallel.Trainer with exact_loss=True (the default) does not pass it for the heads it "
+                        "computes exactly; for "
+                        "a model it cannot (it warns, naming it), unset gpu0_bsz/gpu0_weight."
                     )
                 raise ValueError(
                     f"{name} has {rows} rows along dim {self.dim} but the batch has {batch_size} (from "

@@ -254,6 +254,7 @@ class _EmbeddingWriter:
         self.file = None
         self.offset = 0
         self.dim = None
+        self.partial = None if self.path is None else self.path.with_name(self.path.name + ".partial")
 
     def open(self, dim: int) -> None:
         self.dim = dim
@@ -262,7 +263,6 @@ class _EmbeddingWriter:
             self.array = np.empty(shape, dtype=self.descr)
             return
         # Write to a temporary name and rename at the end: a crashed run leaves no plausible-looking file.
-        self.partial = self.path.with_name(self.path.name + ".partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.suffix == ".npy":
             self.array = np.lib.format.open_memmap(self.partial, mode="w+", dtype=self.descr, shape=shape)
@@ -286,6 +286,14 @@ class _EmbeddingWriter:
         else:
             self.array[self.rows_written : end] = block
         self.rows_written = end
+
+    def discard(self) -> None:
+        """After an error: release the file and remove the partial output."""
+        if self.file is not None:
+            self.file.close()
+        self.array = None
+        if self.path is not None and self.partial.exists():
+            self.partial.unlink()
 
     def close(self) -> np.ndarray:
         if self.rows_written != self.num_rows:
@@ -356,9 +364,9 @@ def embed_dataset(
 
     Args:
         model (`torch.nn.Module`):
-            A transformers model (e.g. `AutoModelForMaskedLM`); wrappers (`DataParallel`, DDP, `torch.compile`) are
-            removed. It is put in eval mode for the call (its previous mode is restored) and moved to the process's
-            device, unless it was dispatched with a `device_map`.
+            A transformers model (e.g. `AutoModelForMaskedLM`); a `DataParallel` or DDP wrapper is removed. It is put
+            in eval mode for the call (its previous mode is restored) and moved to the process's device, unless it
+            was dispatched with a `device_map`.
         dataset (`Sequence[dict]` or `datasets.Dataset`):
             Map-style dataset of tokenized rows (`input_ids`, optional `attention_mask`, ...).
         batch_size (`int`, *optional*, defaults to 32):
@@ -470,7 +478,13 @@ def embed_dataset(
                 if step < len(batches):
                     batch = next(iterator)
                     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                    local = module(**batch).to(dtype)
+                    try:
+                        local = module(**batch).to(dtype)
+                    except ValueError as error:
+                        rows = batches[step]
+                        raise ValueError(
+                            f"In the batch of dataset rows {rows.start}..{rows.stop - 1}: {error}"
+                        ) from error
                     if local.shape[0] != len(batches[step]):
                         raise RuntimeError(
                             f"The model returned {local.shape[0]} embeddings for a batch of {len(batches[step])} "
@@ -500,6 +514,10 @@ def embed_dataset(
                     block = torch.cat(parts).cpu().numpy()
                     writer.write(block)
                     bar.update(block.shape[0])
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
     finally:
         bar.close()
         model.train(was_training)

@@ -21,6 +21,8 @@ Limits (what it does not reproduce):
   statistics are updated N times a step instead of once;
 - dropout and other random ops draw from one RNG stream in chunk order, not from per-device CUDA streams;
 - forward/backward hooks run once per chunk, as on GPUs, but in a fixed order;
+- the replicas' parameters are the module's own (leaf tensors with `.grad`); on GPUs they are broadcast copies whose
+  gradients flow back to the module's, which code that inspects replica parameters in `forward` can notice;
 - torch's warning when it gathers 0-dim outputs into a vector is not emitted;
 - memory is not split: peak memory is that of the whole batch on one device.
 
@@ -37,10 +39,13 @@ with simulate_data_parallel(3):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .data_parallel import BalancedDataParallel, _is_namedtuple, _scatter_inputs
@@ -53,6 +58,7 @@ __all__ = [
     "simulated_scatter",
     "simulated_scatter_kwargs",
     "simulated_training_args",
+    "spawn_cpu_ranks",
 ]
 
 # Devices a SimulatedDataParallel built without device_ids uses: set by simulate_data_parallel().
@@ -246,7 +252,7 @@ class SimulatedDataParallel(nn.DataParallel):
         self.dim = dim
         self.device_ids = device_ids
         self.output_device = device_ids[0] if output_device is None else output_device
-        first = next(chain_params(module), None)
+        first = next(_params_and_buffers(module), None)
         self.src_device_obj = first.device if first is not None else torch.device("cpu")
         self.last_chunk_sizes: list[int | None] = []
 
@@ -293,7 +299,7 @@ class SimulatedDataParallel(nn.DataParallel):
         return simulated_gather(outputs, self.dim)
 
 
-def chain_params(module: nn.Module) -> Iterator[torch.Tensor]:
+def _params_and_buffers(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
 
@@ -415,3 +421,53 @@ def simulated_training_args(n_devices: int, args_class: type | None = None, **kw
         )
     args._n_gpu = n_devices
     return args
+
+
+# ---- Real DDP ranks on CPU ----------------------------------------------------------------------------------------
+
+
+def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, store_path: str) -> None:
+    os.environ.update(
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        ACCELERATE_USE_CPU="yes",
+        ACCELERATE_MIXED_PRECISION="no",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=dist.FileStore(store_path, world_size))
+    function(*args)
+
+
+def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
+    """
+    Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group, as a DDP launch
+    would; `TrainingArguments(use_cpu=True)` or `PartialState()` inside then see a distributed run.
+
+    Like `accelerate.debug_launcher`, but spawned, not forked: a fork of a process whose OpenMP thread pool has run
+    (any earlier torch op, e.g. a previous test) can deadlock in the child, which then waits forever on a futex. The
+    function must be importable (defined at module level); a rank that raises makes this raise, with its traceback.
+    The function should end with `dist.barrier(); dist.destroy_process_group()`.
+
+    Args:
+        function (`Callable`): the body of each rank.
+        args (`tuple`, *optional*): passed to `function`.
+        num_processes (`int`, *optional*, defaults to 2): the world size.
+
+    ```python
+    from hf_parallel.testing import spawn_cpu_ranks
+
+    spawn_cpu_ranks(train_and_check, args=("out",), num_processes=2)
+    ```
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a whole number >= 1, got {num_processes!r}.")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.start_processes(
+            _rank_entry,
+            args=(function, args, num_processes, os.path.join(tmp, "store")),
+            nprocs=num_processes,
+            start_method="spawn",
+        )

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import transformers
 
 from hf_parallel import Trainer, TrainingArguments
+from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
 from tests.heads import CASES
 
 TRAIN_ROWS = 8  # 2B with B = 4
@@ -153,39 +154,6 @@ def ddp_worker(case_names: list[str], topology: Topology, out_dir: str, stock: b
     dist.destroy_process_group()
 
 
-def _rank_entry(rank: int, function, args: tuple, world_size: int, store_path: str) -> None:
-    os.environ.update(
-        WORLD_SIZE=str(world_size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        ACCELERATE_USE_CPU="yes",
-        ACCELERATE_MIXED_PRECISION="no",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
-    function(*args)
-
-
-def spawn_ranks(function, args: tuple, num_processes: int) -> None:
-    """
-    Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group.
-
-    Like `accelerate.debug_launcher`, but spawned, not forked: a fork of a process whose OpenMP thread pool has
-    already run (any earlier torch op in the test session) can deadlock in the child, which then waits forever on a
-    futex. A failing rank raises here with its traceback.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(
-            _rank_entry,
-            args=(function, args, num_processes, os.path.join(tmp, "store")),
-            nprocs=num_processes,
-            start_method="spawn",
-        )
-
-
 def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = False, **overrides) -> dict:
     spawn_ranks(ddp_worker, (case_names, topology, str(tmp_path), stock, overrides), topology.processes)
     return torch.load(os.path.join(tmp_path, "results.pt"), weights_only=False)
@@ -201,6 +169,3 @@ def max_relative_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     scale = max(t.abs().max().item() for t in b.values()) or 1.0
     return max((a[name] - b[name]).abs().max().item() for name in a) / scale
-
-
-debug_launch = spawn_ranks  # the earlier name, still used by other test modules

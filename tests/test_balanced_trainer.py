@@ -178,8 +178,7 @@ def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warni
     assert len(model.chunk_means) == 3
     assert logged == pytest.approx(sum(model.chunk_means) / 3, rel=1e-5)  # stock: the mean of the 3 chunk means
     exact = (model.chunk_means[0] * 1 + model.chunk_means[1] * 3 + model.chunk_means[2] * 2) / 6
-    print(f"stock / exact: {logged / exact:.3f}")
-    assert abs(logged / exact - 1) > 0.01  # ... which is not the batch mean
+    assert abs(logged / exact - 1) > 0.05  # ... which is not the batch mean (x0.926 with this seed)
 
 
 def test_ignored_on_one_device_with_one_warning(tmp_path):
@@ -244,7 +243,7 @@ def _ddp_worker(output_dir):
 
 @pytest.mark.slow  # two spawned processes, each importing transformers: ~40 s on the 2-core CI machine
 def test_ignored_under_ddp(tmp_path):
-    from tests.equivalence import spawn_ranks
+    from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
 
     transformers.utils.logging.set_verbosity_warning()
     logger = transformers.utils.logging.get_logger("hf_parallel.trainer")

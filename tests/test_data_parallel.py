@@ -345,6 +345,14 @@ def test_generate_works_on_the_wrapper():
     assert torch.equal(dp.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
 
 
+def test_simulation_swaps_only_the_device_work():
+    # Everything else (validation, chunk sizes, device skipping, forward) is BalancedDataParallel's own code.
+    own = {name for name, value in vars(SimulatedBalancedDataParallel).items() if callable(value)}
+    assert own == {"_scatter_chunks", "parallel_apply", "_check_module_device"}
+    for name in ("forward", "_plan", "chunk_sizes", "__init__", "__getattr__"):
+        assert getattr(SimulatedBalancedDataParallel, name) is getattr(BalancedDataParallel, name), name
+
+
 def test_public_names():
     assert hf_parallel.BalancedDataParallel is BalancedDataParallel
     assert hf_parallel.balanced_chunk_sizes is balanced_chunk_sizes

@@ -7,7 +7,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, PartialState, debug_launcher
+from accelerate import Accelerator, PartialState
 from accelerate.state import DistributedType
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +23,7 @@ from safetensors.numpy import load_file
 from torch.utils.data.distributed import DistributedSampler
 
 from hf_parallel import SequenceEmbedder, embed_dataset, inference, pool_hidden_states, shard_batches
-from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel
+from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("embed_example", ROOT / "examples" / "embed.py")
@@ -286,11 +285,6 @@ def test_data_parallel_path_matches_one_process():
 
 
 def _ddp_worker(out_dir: str):
-    # debug_launcher forks this pytest process, and once earlier tests have run multi-threaded ops here, the forked
-    # ranks hang in their first forward (OpenMP state does not survive fork). Measured: one thread per rank fixes
-    # it, but only with OMP_NUM_THREADS set too, since PartialState calls torch.set_num_threads itself when it is not.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     state = PartialState(cpu=True)
     assert state.num_processes == 2 and dist.get_world_size() == 2
     assert state.distributed_type == DistributedType.MULTI_CPU
@@ -322,18 +316,8 @@ def _ddp_worker(out_dir: str):
     dist.destroy_process_group()
 
 
-def _debug_launch(function, args: tuple) -> None:
-    """debug_launcher over 2 CPU ranks, minus one false failure: its rendezvous FileStore deletes its file when the
-    ranks destroy the process group, and the launcher's own clean-up then raises FileNotFoundError."""
-    try:
-        debug_launcher(function, args=args, num_processes=2)
-    except FileNotFoundError as error:
-        if not str(error.filename).startswith(tempfile.gettempdir()):
-            raise
-
-
 def test_two_rank_ddp_equals_one_process(tmp_path):
-    _debug_launch(_ddp_worker, (str(tmp_path),))
+    spawn_cpu_ranks(_ddp_worker, (str(tmp_path),), 2)
     for n, batch, pooling, side in DDP_CASES:
         model, tokenizer = tiny_setup(side)
         rows = dna_rows(tokenizer, n)

@@ -131,7 +131,10 @@ def _assert_clean_checkpoint(checkpoint, trained, same_step=True):
         torch.testing.assert_close(_logits(reloaded), _logits(inner), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW_CASES = {"compile", "user_compiled"}  # compilation takes seconds, even with the eager backend
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_checkpoints_are_clean_and_resume(case, tmp_path):
     with _setup(case, tmp_path / "run") as (trainer, model):
         trainer.train()
