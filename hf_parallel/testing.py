@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -441,7 +442,7 @@ def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, sto
     function(*args)
 
 
-def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2) -> None:
+def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 600.0) -> None:
     """
     Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group, as a DDP launch
     would; `TrainingArguments(use_cpu=True)` or `PartialState()` inside then see a distributed run.
@@ -455,6 +456,8 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
         function (`Callable`): the body of each rank.
         args (`tuple`, *optional*): passed to `function`.
         num_processes (`int`, *optional*, defaults to 2): the world size.
+        timeout (`float`, *optional*, defaults to 600): seconds before the ranks are killed and `TimeoutError` is
+            raised, so that a rank stuck in a collective fails the caller instead of blocking it forever.
 
     ```python
     from hf_parallel.testing import spawn_cpu_ranks
@@ -465,9 +468,20 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be a whole number >= 1, got {num_processes!r}.")
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(
+        context = torch.multiprocessing.start_processes(
             _rank_entry,
             args=(function, args, num_processes, os.path.join(tmp, "store")),
             nprocs=num_processes,
             start_method="spawn",
+            join=False,
         )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):  # raises, with the traceback, as soon as a rank fails
+            if time.monotonic() > deadline:
+                alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(
+                    f"spawn_cpu_ranks: ranks {alive} of {num_processes} still running after {timeout:g} s "
+                    f"({getattr(function, '__qualname__', function)}); they were killed."
+                )

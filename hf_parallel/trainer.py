@@ -48,14 +48,14 @@ class Trainer(transformers.Trainer):
         elif not isinstance(args, TrainingArguments):
             args = TrainingArguments.from_stock(args)
         # ---- Saving and loading: a model passed already wrapped in DataParallel / DDP (issue 5) ----
-        model = unwrap_user_model(model, args)
+        model, args = unwrap_user_model(model, args)
         # ---- end of the saving-and-loading block ----
         # ---- Launch guards (issue 6): before super().__init__ moves the model, so a mis-launch stops here. Reading
         # args.world_size sets up the devices and the process group, which is what the guards inspect. ----
         check_launch(args)
         # ---- end of the launch guards ----
         super().__init__(model, args, *positional, **kwargs)
-        self._exact_heads: dict[tuple, LossHead | None] = {}
+        self._exact_heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self._exact_warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
 
@@ -64,19 +64,21 @@ class Trainer(transformers.Trainer):
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
         if not self.args.exact_loss:
             return None
-        model = self.accelerator.unwrap_model(self.model)
-        config = getattr(model, "config", None)
-        key = (id(model), getattr(config, "problem_type", None), self.compute_loss_func is not None)
-        if key in self._exact_heads:
-            return self._exact_heads[key]
+        # Called twice a micro-batch: keyed on what can change (the model, e.g. under model_init; a classifier's
+        # problem_type, settled by the first labels), unwrapped only on a miss.
+        config = getattr(self.model, "config", None)
+        key = (id(self.model), getattr(config, "problem_type", None), self.compute_loss_func is not None)
+        cached = self._exact_heads.get(key)
+        if cached is not None and cached[0] is self.model:  # the model itself, not a later one reusing its id
+            return cached[1]
         try:
-            head = self._resolve_exact_head(model, batch)
+            head = self._resolve_exact_head(self.accelerator.unwrap_model(self.model), batch)
         except UnsupportedHead as reason:
             if batch is None and "problem_type is unset" in str(reason):
                 return None  # settled at the first batch, which carries the labels
             self._warn_fallback(str(reason))
             head = None
-        self._exact_heads[(id(model), getattr(config, "problem_type", None), key[2])] = head
+        self._exact_heads[(id(self.model), getattr(config, "problem_type", None), key[2])] = (self.model, head)
         return head
 
     def _resolve_exact_head(self, model: nn.Module, batch: dict | None) -> LossHead:

@@ -9,9 +9,11 @@ This module removes the wrappers before saving and removes the prefixes (whereve
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
+import sys
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -49,9 +51,9 @@ class LoadResult(NamedTuple):
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    compiled_cls = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    compiled_cls = getattr(compiled_cls, "OptimizedModule", None)
-    return compiled_cls is not None and isinstance(module, compiled_cls)
+    # Looked up in sys.modules: importing torch._dynamo costs seconds, and without it no module can be compiled.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def _inner(module: nn.Module) -> nn.Module | None:
@@ -385,7 +387,7 @@ def load_state_dict(
 # ---- A model handed to the Trainer already wrapped ----
 
 
-def unwrap_user_model(model: nn.Module | None, args) -> nn.Module | None:
+def unwrap_user_model(model: nn.Module | None, args) -> tuple[nn.Module | None, object]:
     """
     Take the model out of the `nn.DataParallel` / `DistributedDataParallel` the user wrapped it in before creating
     the Trainer, which wraps the model itself (DataParallel on several GPUs, DDP under a launcher).
@@ -394,10 +396,13 @@ def unwrap_user_model(model: nn.Module | None, args) -> nn.Module | None:
     `forward(*inputs, **kwargs)` and drops every column ("The batch received was empty"), and with that filter off
     it saves `module.`-prefixed weights that `from_pretrained` ignores, leaving random weights. The inner model
     shares its parameters with the wrapper, so the user's reference keeps seeing the trained weights.
-    A `BalancedDataParallel`'s `gpu0_bsz` / `gpu0_weight` move to `args` when `args` does not set them.
+    A `BalancedDataParallel`'s `gpu0_bsz` / `gpu0_weight` move to a copy of `args` when `args` does not set them.
+
+    Returns:
+        `tuple`: the model to train and the arguments to train it with.
     """
     if not isinstance(model, DATA_PARALLEL_CLASSES):
-        return model
+        return model, args
     wrappers = []
     while isinstance(model, DATA_PARALLEL_CLASSES):
         wrappers.append(model)
@@ -417,6 +422,7 @@ def unwrap_user_model(model: nn.Module | None, args) -> nn.Module | None:
                         f"TrainingArguments set {other}={getattr(args, other)}. Pass the bare model and set one of "
                         "them in TrainingArguments."
                     )
+                args = copy.copy(args)  # the caller's object may serve another Trainer with a bare model
                 setattr(args, name, wanted)
                 args._validate_hf_parallel_fields()
                 logger.info(f"Using {name}={wanted} from the {type(wrapper).__name__} the model was passed in.")
@@ -436,4 +442,4 @@ def unwrap_user_model(model: nn.Module | None, args) -> nn.Module | None:
         f"The model was passed wrapped in {names}: the Trainer uses the inner {type(model).__name__} and wraps it "
         "itself, so checkpoints carry no `module.` prefix."
     )
-    return model
+    return model, args

@@ -58,6 +58,12 @@ def _train(trainer_cls, args_cls, tmp_path, **kw):
 
 def test_public_names():
     assert set(hf_parallel.__all__) >= {"Trainer", "TrainingArguments"}
+    # Every public name resolves through the lazy loader, and the loader knows no name that is not public.
+    assert set(hf_parallel._EXPORTS) == set(hf_parallel.__all__) - {"__version__"}
+    for name in hf_parallel.__all__:
+        assert getattr(hf_parallel, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'Trainr'"):
+        hf_parallel.Trainr  # noqa: B018
     assert issubclass(Trainer, transformers.Trainer)
     assert issubclass(TrainingArguments, transformers.TrainingArguments)
 

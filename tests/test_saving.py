@@ -4,6 +4,7 @@ same for the stock Trainer; a training killed with SIGKILL resumes to the same w
 """
 
 import contextlib
+import faulthandler
 import inspect
 import os
 import shutil
@@ -23,8 +24,12 @@ from torch import nn
 from transformers import BertForSequenceClassification
 
 from hf_parallel import CleanCheckpointCallback, Trainer, TrainingArguments, load_state_dict, unwrap_model
-from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, simulated_training_args
-from tests.equivalence import spawn_ranks
+from hf_parallel.testing import (
+    SimulatedBalancedDataParallel,
+    simulate_data_parallel,
+    simulated_training_args,
+    spawn_cpu_ranks,
+)
 from tests.tiny import classification_rows, tiny_bert_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,16 +273,18 @@ def test_callback_leaves_clean_checkpoints_alone(tmp_path):
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), str(killed), "5"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    log = tmp_path / "worker.log"  # a file, not a pipe: a full pipe would block the worker before it is killed
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(killed), "5"],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
     try:
         deadline = time.monotonic() + 120
         while not (killed / "ready").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the worker never reached step 5"
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
@@ -286,7 +293,6 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        proc.stderr.close()
     assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-3"]  # killed between two saves
 
     resumed = make_trainer(str(killed), seed=1)  # other initial weights: only the checkpoint can make them equal
@@ -311,6 +317,8 @@ def _ddp_worker(output_dir):
     from accelerate import PartialState
     from transformers.training_args import ParallelMode
 
+    # A rank stuck in a collective would hang the test session: dump its stack and exit instead.
+    faulthandler.dump_traceback_later(180, exit=True)
     state = PartialState()
     for wrap_by_user in (False, True):
         run = Path(output_dir) / ("user_ddp" if wrap_by_user else "ddp")
@@ -340,13 +348,14 @@ def _ddp_worker(output_dir):
             dist.all_gather(gathered, param.detach().contiguous())
             torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0, msg=name)
     (Path(output_dir) / f"done-{state.process_index}").write_text("ok")
+    faulthandler.cancel_dump_traceback_later()
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
-    spawn_ranks(_ddp_worker, (str(tmp_path),), num_processes=2)
+    spawn_cpu_ranks(_ddp_worker, (str(tmp_path),), num_processes=2)
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
 
 
@@ -375,3 +384,20 @@ def test_load_state_dict_is_the_public_loader(tmp_path):
     target = nn.DataParallel(tiny_bert_classifier(seed=5))
     load_state_dict(target, tmp_path / "checkpoint-4")
     _assert_same(_weights(target), _weights(model), atol=0)
+
+
+def test_user_balanced_wrapper_settings(tmp_path):
+    with simulate_data_parallel(3):
+        args = simulated_training_args(3, **_args_kw(tmp_path))
+        wrapped = SimulatedBalancedDataParallel(tiny_bert_classifier(), gpu0_bsz=1, n_devices=3)
+        trainer = Trainer(model=wrapped, args=args, train_dataset=classification_rows(8))
+        assert trainer.model is wrapped.module
+        assert trainer.args.gpu0_bsz == 1
+        assert args.gpu0_bsz is None  # the caller's arguments are left as they were
+
+        conflicting = simulated_training_args(3, **_args_kw(tmp_path, gpu0_bsz=2))
+        with pytest.raises(ValueError, match=r"wrapped in SimulatedBalancedDataParallel\(gpu0_bsz=1\) but the .*=2"):
+            Trainer(model=wrapped, args=conflicting, train_dataset=classification_rows(8))
+        other = simulated_training_args(3, **_args_kw(tmp_path, gpu0_weight=0.5))
+        with pytest.raises(ValueError, match=r"\(gpu0_bsz=1\) but the TrainingArguments set gpu0_weight=0.5"):
+            Trainer(model=wrapped, args=other, train_dataset=classification_rows(8))
