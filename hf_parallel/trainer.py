@@ -47,13 +47,12 @@ class Trainer(transformers.Trainer):
             args = TrainingArguments(output_dir="trainer_output")
         elif not isinstance(args, TrainingArguments):
             args = TrainingArguments.from_stock(args)
-        # ---- Saving and loading: a model passed already wrapped in DataParallel / DDP (issue 5) ----
+        # A model the user already wrapped in DataParallel/DDP: stock then trains on empty batches and writes
+        # `module.`-prefixed checkpoints. Take the model out (a BalancedDataParallel's split moves into the args).
         model, args = unwrap_user_model(model, args)
-        # ---- end of the saving-and-loading block ----
-        # ---- Launch guards (issue 6): before super().__init__ moves the model, so a mis-launch stops here. Reading
-        # args.world_size sets up the devices and the process group, which is what the guards inspect. ----
+        # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
+        # args.world_size sets up the devices and the process group, which is what the guards inspect.
         check_launch(args)
-        # ---- end of the launch guards ----
         super().__init__(model, args, *positional, **kwargs)
         self._exact_heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self._exact_warned: set[str] = set()
