@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertForSequenceClassification
 
 from hf_parallel.cli import main as cli_main
 
@@ -129,22 +129,11 @@ def _max_weight_diff(a: Path, b: Path) -> float:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """examples/train.py's tiny BERT and word tokenizer, saved with dropout 0 so runs are comparable."""
-    from examples.train import word_tokenizer
+    from examples.train import tiny_config, word_tokenizer
 
     path = tmp_path_factory.mktemp("init")
     tokenizer = word_tokenizer()
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=2,
-        pad_token_id=tokenizer.pad_token_id,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = tiny_config(tokenizer, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
