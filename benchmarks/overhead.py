@@ -30,13 +30,14 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 from hf_parallel import Trainer, TrainingArguments  # noqa: E402
 
-SEQ = 64
-VOCAB = 2000
+# Big enough that the loss's tensors (the LM's logits: 8 x 128 x 8000 floats, 33 MB) show in peak memory.
+SEQ = 128
+VOCAB = 8000
 
 
 def classifier():
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
         max_position_embeddings=SEQ, num_labels=4,
     )
     return BertForSequenceClassification(config)

@@ -8,6 +8,7 @@ parameters after the step must equal those of one process with batch 2B.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -94,9 +95,15 @@ def run_case(
     stock: bool = False,
     exact_loss: bool = True,
     train_rows: int = TRAIN_ROWS,
+    evaluate_first: bool = True,
     **overrides,
 ) -> dict:
-    """Evaluate, then train one step; return the logged loss, eval_loss, gradient and parameters."""
+    """
+    Train one step and evaluate; return the logged loss, eval_loss, gradient and parameters.
+
+    `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP
+    (DESIGN.md), so every DDP case also checks that hf_parallel still wraps the model.
+    """
     case = CASES[case_name]
     if stock:
         trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
@@ -113,16 +120,17 @@ def run_case(
             eval_dataset=case.dataset(EVAL_ROWS, seed=2),
             callbacks=[capture],
         )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        simulation = contextlib.nullcontext()
         if topology.dp_devices > 1:
             from hf_parallel.testing import simulate_data_parallel
 
-            with simulate_data_parallel(topology.dp_devices):
-                eval_loss = trainer.evaluate()["eval_loss"]
-                train_loss = trainer.train().training_loss
-        else:
-            # evaluate() first on purpose: under DDP stock then trains without DDP (see DESIGN.md).
-            eval_loss = trainer.evaluate()["eval_loss"]
+            simulation = simulate_data_parallel(topology.dp_devices)
+        with simulation:
+            eval_loss = trainer.evaluate()["eval_loss"] if evaluate_first else None
             train_loss = trainer.train().training_loss
+            if not evaluate_first:
+                eval_loss = trainer.evaluate()["eval_loss"]
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
             "loss": capture.loss,
