@@ -8,7 +8,10 @@ Overhead of the exact loss: step time and peak memory of `hf_parallel.Trainer` a
 Workloads: a BERT sequence classifier and a small GPT-2 causal LM, built from configs (nothing downloaded).
 Step time: the median over all timed optimizer steps (the first steps of each run are warm-up). Peak memory: on a
 GPU, `torch.cuda.max_memory_allocated` during training; on CPU, the peak resident set size during training
-(`VmHWM`, reset through /proc/self/clear_refs before each run) minus the resident size when training starts.
+(`VmHWM`, reset through /proc/self/clear_refs before each run) minus the resident size when training starts,
+measured in a second pass whose process has glibc serve every block over 64 KiB by mmap and return it at once
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), so that the resident size follows the tensors alive; without
+that, freed memory stays cached in the process and the peak of one run hides inside the cache of the previous one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -141,15 +145,14 @@ def measure(workload: str, steps: int, warmup: int, rounds: int) -> dict:
     }
 
 
-def report(mode: str, results: dict) -> None:
-    for workload, r in results.items():
-        time_ratio = r["step_ms"]["hf_parallel"] / r["step_ms"]["stock"]
-        stock_peak, ours_peak = r["peak_mib"]["stock"], r["peak_mib"]["hf_parallel"]
-        mem_ratio = ours_peak / stock_peak if stock_peak > 0 else float("nan")
+def report(mode: str, times: dict, memory: dict) -> None:
+    for workload in times:
+        step, peak = times[workload]["step_ms"], memory[workload]["peak_mib"]
+        mem_ratio = peak["hf_parallel"] / peak["stock"] if peak["stock"] > 0 else float("nan")
         print(
-            f"{mode:<14} {workload:<11} step median: stock {r['step_ms']['stock']:7.2f} ms, "
-            f"hf_parallel {r['step_ms']['hf_parallel']:7.2f} ms, ratio {time_ratio:.3f} | "
-            f"peak: stock {stock_peak:7.1f} MiB, hf_parallel {ours_peak:7.1f} MiB, ratio {mem_ratio:.3f}"
+            f"{mode:<14} {workload:<11} step median: stock {step['stock']:7.2f} ms, "
+            f"hf_parallel {step['hf_parallel']:7.2f} ms, ratio {step['hf_parallel'] / step['stock']:.3f} | "
+            f"peak: stock {peak['stock']:7.1f} MiB, hf_parallel {peak['hf_parallel']:7.1f} MiB, ratio {mem_ratio:.3f}"
         )
 
 
@@ -163,27 +166,48 @@ def ddp_worker(steps: int, warmup: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def measure_all(steps: int, warmup: int, rounds: int, ddp: bool) -> dict:
+    results = {"single": {w: measure(w, steps, warmup, rounds) for w in WORKLOADS}}
+    if ddp:
+        from hf_parallel.testing import spawn_cpu_ranks
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "ddp.pt")
+            spawn_cpu_ranks(ddp_worker, (steps, warmup, rounds, out), 2)
+            results["ddp"] = torch.load(out, weights_only=False)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer, interleaved (default 3)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP measurement")
+    parser.add_argument("--memory-out", help=argparse.SUPPRESS)  # internal: the CPU memory pass writes here
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if options.memory_out:
+        torch.save(measure_all(2, 1, options.rounds, not options.no_ddp), options.memory_out)
+        return
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
-    single = {w: measure(w, options.steps, options.warmup, options.rounds) for w in WORKLOADS}
-    report("single process", single)
-    if not options.no_ddp:
-        from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
-
+    timed = measure_all(options.steps, options.warmup, options.rounds, not options.no_ddp)
+    memory = timed
+    if not torch.cuda.is_available():
+        # Peak memory in a second pass, in a process whose resident size follows the live tensors (see above);
+        # mmap-backed allocation is slower, so it is not the pass that times the steps.
         with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "ddp.pt")
-            spawn_ranks(ddp_worker, (options.steps, options.warmup, options.rounds, out), 2)
-            report("DDP 2 (rank 0)", torch.load(out, weights_only=False))
+            out = os.path.join(tmp, "memory.pt")
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+            command = [sys.executable, os.path.abspath(__file__), "--memory-out", out, "--rounds", str(options.rounds)]
+            subprocess.run(command + (["--no-ddp"] if options.no_ddp else []), env=env, check=True)
+            memory = torch.load(out, weights_only=False)
+    report("single process", timed["single"], memory["single"])
+    if "ddp" in timed:
+        report("DDP 2 (rank 0)", timed["ddp"], memory["ddp"])
 
 
 if __name__ == "__main__":
