@@ -122,6 +122,11 @@ class LossHead:
     # ---- targets: the tensor of each term whose valid entries are the items -------------------------------------
     def _targets(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> list[torch.Tensor]:
         if self.name == "question_answering":
+            if seq_len is None:
+                raise ValueError(
+                    "question answering: the batch has no input_ids or attention_mask to read the sequence length "
+                    "from, which decides which answer positions lie outside the input; add the attention_mask."
+                )
             # transformers clamps positions to [0, L] and ignores L (a position outside the input).
             return [labels[key].reshape(-1).clamp(0, seq_len) for key in self.label_keys]
         target = labels["labels"]

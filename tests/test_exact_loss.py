@@ -362,3 +362,13 @@ def test_upstream_hook_signatures(name, params):
     assert upstream == params
     assert list(inspect.signature(getattr(Trainer, name)).parameters) == params
     assert hasattr(transformers.Trainer, "loss_is_scaled_for_ga")
+
+
+def test_question_answering_without_a_sequence_length_is_a_clear_error():
+    from hf_parallel.loss import LossHead
+
+    head = LossHead("question_answering", ("start_positions", "end_positions"))
+    labels = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 9])}
+    assert head.count(labels, seq_len=8).tolist() == [2, 1]
+    with pytest.raises(ValueError, match="no input_ids or attention_mask"):
+        head.count(labels, seq_len=None)
