@@ -216,14 +216,19 @@ def _walk_tensors(obj: Any, path: str):
 
 
 def scatter_structure(
-    obj: Any, num_chunks: int, split: Callable[[torch.Tensor], Sequence[Any]], copy: Callable[[Any], Sequence[Any]]
+    obj: Any,
+    num_chunks: int,
+    split: Callable[[torch.Tensor], Sequence[Any]],
+    copy: Callable[[Any], Sequence[Any]],
+    strict: bool = True,
 ) -> list[Any]:
     """
     Split `obj` into `num_chunks` pieces, walking tuples, lists, dicts and namedtuples like torch's `scatter`:
     tensors with at least one dimension go through `split`, 0-dim tensors through `copy`, anything else is shared.
 
-    Unlike torch's, every branch must give exactly `num_chunks` pieces (`zip(strict=True)`): a tensor that splits
-    into fewer pieces raises instead of silently dropping rows. The caller validates sizes first.
+    Unlike torch's, every branch must by default give exactly `num_chunks` pieces (`zip(strict=True)`): a tensor
+    that splits into fewer pieces raises instead of silently dropping rows. The caller validates sizes first.
+    `strict=False` is torch's own behaviour (the shortest branch wins), which the CPU simulation reproduces.
     """
 
     def walk(value):
@@ -231,13 +236,13 @@ def scatter_structure(
             pieces = copy(value) if value.dim() == 0 else split(value)
             return list(pieces)
         if _is_namedtuple(value):
-            return [type(value)(*args) for args in zip(*map(walk, value), strict=True)]
+            return [type(value)(*args) for args in zip(*map(walk, value), strict=strict)]
         if isinstance(value, tuple) and len(value) > 0:
-            return list(zip(*map(walk, value), strict=True))
+            return list(zip(*map(walk, value), strict=strict))
         if isinstance(value, list) and len(value) > 0:
-            return [list(i) for i in zip(*map(walk, value), strict=True)]
+            return [list(i) for i in zip(*map(walk, value), strict=strict)]
         if isinstance(value, dict) and len(value) > 0:
-            return [type(value)(i) for i in zip(*map(walk, value.items()), strict=True)]
+            return [type(value)(i) for i in zip(*map(walk, value.items()), strict=strict)]
         return [value for _ in range(num_chunks)]
 
     return walk(obj)

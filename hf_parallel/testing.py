@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import BalancedDataParallel, _is_namedtuple, _scatter_inputs
+from .data_parallel import BalancedDataParallel, _is_namedtuple, _scatter_inputs, scatter_structure
 
 __all__ = [
     "SimulatedBalancedDataParallel",
@@ -90,20 +90,10 @@ def simulated_scatter(inputs: Any, num_devices: int, dim: int = 0) -> list[Any]:
     ```
     """
 
-    def scatter_map(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.chunk(num_devices, dim)
-        if _is_namedtuple(obj):
-            return [type(obj)(*args) for args in zip(*map(scatter_map, obj), strict=False)]
-        if isinstance(obj, tuple) and len(obj) > 0:
-            return list(zip(*map(scatter_map, obj), strict=False))
-        if isinstance(obj, list) and len(obj) > 0:
-            return [list(i) for i in zip(*map(scatter_map, obj), strict=False)]
-        if isinstance(obj, dict) and len(obj) > 0:
-            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()), strict=False)]
-        return [obj for _ in range(num_devices)]
+    def chunk(tensor: torch.Tensor):
+        return tensor.chunk(num_devices, dim)  # a 0-dim tensor raises here, as in torch's Scatter
 
-    return scatter_map(inputs)
+    return scatter_structure(inputs, num_devices, split=chunk, copy=chunk, strict=False)
 
 
 def simulated_scatter_kwargs(
