@@ -39,7 +39,10 @@ with simulate_data_parallel(3):
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -428,11 +431,19 @@ def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, sto
         ACCELERATE_MIXED_PRECISION="no",
         GLOO_SOCKET_IFNAME="lo",
     )
+    # On a timeout the parent sends SIGUSR1 first: every rank then prints where it is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=dist.FileStore(store_path, world_size))
     function(*args)
+    # Done: leave without the interpreter's teardown, where gloo's process-group destructors have been seen to
+    # hang now and then once the other rank has gone. An exception above still goes through torch's own handler,
+    # which reports its traceback to the parent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 600.0) -> None:
+def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 300.0) -> None:
     """
     Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group, as a DDP launch
     would; `TrainingArguments(use_cpu=True)` or `PartialState()` inside then see a distributed run.
@@ -446,8 +457,8 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
         function (`Callable`): the body of each rank.
         args (`tuple`, *optional*): passed to `function`.
         num_processes (`int`, *optional*, defaults to 2): the world size.
-        timeout (`float`, *optional*, defaults to 600): seconds before the ranks are killed and `TimeoutError` is
-            raised, so that a rank stuck in a collective fails the caller instead of blocking it forever.
+        timeout (`float`, *optional*, defaults to 300): seconds before the ranks print their stacks, are killed and
+            `TimeoutError` is raised, so that a rank stuck in a collective fails the caller instead of blocking it.
 
     ```python
     from hf_parallel.testing import spawn_cpu_ranks
@@ -469,6 +480,9 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
         while not context.join(timeout=1.0):  # raises, with the traceback, as soon as a rank fails
             if time.monotonic() > deadline:
                 alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                for rank in alive:
+                    os.kill(context.processes[rank].pid, signal.SIGUSR1)  # each prints its stacks to stderr
+                time.sleep(2)
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(
