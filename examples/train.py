@@ -36,7 +36,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hf_parallel import Trainer, TrainingArguments
+from hf_parallel import Trainer, TrainingArguments, release_distributed
 
 
 @dataclass
@@ -216,6 +216,10 @@ def main() -> None:
         max_diff = check_reload(trainer, training_args.output_dir)
         print(f"Saved the model and tokenizer to {training_args.output_dir}")
         print(f"Reload check: from_pretrained gives the same logits (max |diff| = {max_diff:.2e}).")
+    if torch.distributed.is_initialized():
+        # Part together: release the DDP wrapper, then destroy the process group (hf_parallel would do it at exit).
+        trainer.accelerator.wait_for_everyone()
+        release_distributed()
 
 
 def check_reload(trainer: Trainer, output_dir: str) -> float:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "pool_hidden_states": "inference",
     "shard_batches": "inference",
     "POOLING_METHODS": "inference",
+    "release_distributed": "teardown",
 }
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "pool_hidden_states",
     "shard_batches",
     "POOLING_METHODS",
+    "release_distributed",
     "__version__",
 ]
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
     from .data_parallel import BalancedDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+    from .teardown import release_distributed
     from .trainer import Trainer
     from .training_args import TrainingArguments
     from .unwrap import load_state_dict, unwrap_model

@@ -5,9 +5,9 @@ Three traps, each measured on transformers 5.24 / accelerate 1.15 / torch 2.13:
 1. A launcher (`torchrun`, `accelerate launch`, `mpirun`) started N processes but the Trainer did not join them into
    one DDP group. On a machine without GPUs and without `use_cpu`, accelerate sees no device backend, so each
    process trains its own unsynchronised copy of the model, all save to the same folder, and the launch exits 0.
-2. `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised (the source document sets it after
-   `init_process_group`). CUDA reads it once, at initialisation, so the change has no effect: the process runs on
-   other GPUs than the script says.
+2. `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised (e.g. set in the script after `init_process_group`).
+   CUDA reads it once, at initialisation, so the change has no effect: the process runs on other GPUs than the
+   script says.
 3. `nn.DataParallel` over several GPUs (one process, no launcher). It works, but DDP is faster and scales; a
    one-line hint says how to launch it.
 """
@@ -20,11 +20,19 @@ import torch
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
+# launcher_world_size and WORLD_SIZE_VARIABLES are re-exported: code that imported them from here keeps working.
+from .launch_env import WORLD_SIZE_VARIABLES, launcher_world_size, world_size_variable
 
-# The variables launchers set to the number of processes: torchrun / accelerate (WORLD_SIZE), Intel MPI and MPICH
-# (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE), MVAPICH (MV2_COMM_WORLD_SIZE). accelerate reads the same list.
-WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+__all__ = [
+    "WORLD_SIZE_VARIABLES",
+    "check_data_parallel",
+    "check_launch",
+    "check_visible_devices",
+    "check_world_size",
+    "launcher_world_size",
+]
+
+logger = logging.get_logger(__name__)
 
 _NOT_RECORDED = object()
 # CUDA_VISIBLE_DEVICES as this process had it when hf_parallel was imported, and when CUDA initialised.
@@ -42,45 +50,10 @@ if torch.cuda.is_initialized():
     # CUDA was initialised before hf_parallel was imported: the value now is the best record there is.
     _visible_devices_at_cuda_init = _visible_devices_at_import
 elif hasattr(torch.cuda, "_lazy_call"):
-    # torch runs the queued calls of `_lazy_call` once, when CUDA initialises (torch/cuda/__init__.py, `_lazy_init`),
-    # which records the value the driver actually used. Without it (a torch that drops the private helper) the
-    # value at import stands in.
+    # torch runs the queued calls of `_lazy_call` once, when CUDA initialises (in `torch.cuda._lazy_init`), which
+    # records the value the driver actually used. Without it (a torch that drops the private helper) the value at
+    # import stands in.
     torch.cuda._lazy_call(_record_visible_devices_at_cuda_init)
-
-
-def launcher_world_size(environ: dict[str, str] | None = None) -> int:
-    """
-    The number of processes a launcher says it started, from the environment; 1 when no launcher set one.
-
-    Args:
-        environ (`dict[str, str]`, *optional*):
-            The environment to read; defaults to `os.environ`.
-
-    Returns:
-        `int`: the first of `WORLD_SIZE`, `PMI_SIZE`, `OMPI_COMM_WORLD_SIZE`, `MV2_COMM_WORLD_SIZE` that is set.
-
-    ```python
-    from hf_parallel.guards import launcher_world_size
-
-    launcher_world_size({"WORLD_SIZE": "4"})  # 4
-    ```
-    """
-    environ = os.environ if environ is None else environ
-    for name in WORLD_SIZE_VARIABLES:
-        value = environ.get(name, "").strip()
-        if not value:
-            continue
-        try:
-            size = int(value)
-        except ValueError:
-            raise ValueError(
-                f"The environment variable {name}={value!r} is not a whole number; a launcher sets it to the number "
-                f"of processes. Unset it or set it to that number."
-            ) from None
-        if size < 1:
-            raise ValueError(f"The environment variable {name}={size} must be >= 1 (the number of processes).")
-        return size
-    return 1
 
 
 def _no_device_backend() -> bool:
@@ -121,7 +94,7 @@ def check_world_size(args) -> None:
     if args.parallel_mode == ParallelMode.SAGEMAKER_MODEL_PARALLEL:
         # There world_size is the data-parallel size (smp.dp_size()), smaller than the processes by design.
         return
-    variable = next(name for name in WORLD_SIZE_VARIABLES if os.environ.get(name, "").strip())
+    variable = world_size_variable()
     fix = (
         "This machine has no GPU, so the processes must be told to use the CPU: pass `--use_cpu` to the script "
         "(`TrainingArguments(use_cpu=True)`), or launch with ACCELERATE_USE_CPU=1 set, e.g. "
@@ -142,9 +115,9 @@ def check_visible_devices() -> None:
     """
     Warn when `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised in this process.
 
-    CUDA reads the variable once, when it initialises; a later change (the source document sets it after
-    `init_process_group`) has no effect, so the process runs on other GPUs than the script names. Set it before
-    anything touches CUDA, or let the launcher set it (`gpu_ids` in an accelerate config).
+    CUDA reads the variable once, when it initialises; a later change (e.g. setting it after `init_process_group`)
+    has no effect, so the process runs on other GPUs than the script names. Set it before anything touches CUDA, or
+    let the launcher set it (`gpu_ids` in an accelerate config).
 
     ```python
     from hf_parallel.guards import check_visible_devices

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -433,14 +434,35 @@ def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, sto
     )
     # On a timeout the parent sends SIGUSR1 first: every rank then prints where it is stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=dist.FileStore(store_path, world_size))
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     function(*args)
-    # Done: leave without the interpreter's teardown, where gloo's process-group destructors have been seen to
-    # hang now and then once the other rank has gone. An exception above still goes through torch's own handler,
-    # which reports its traceback to the parent.
+    _part_together(store, world_size)
+    # Leave without the interpreter's teardown: every DDP object is released above, so nothing of gloo is left for
+    # it but the destructors of module globals, which can abort at exit ("terminate called without an active
+    # exception"). An exception above still goes through torch's own handler, which reports its traceback.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _part_together(store: dist.Store, world_size: int) -> None:
+    """
+    Release this rank's distributed objects, then wait until every rank has released its own, before any leaves.
+
+    A rank whose function returned may still hold a trainer and its DDP wrapper in reference cycles; freed later,
+    while another rank has already exited, their destructors have been seen to hang (the stuck rank showed no
+    Python frame below `function(*args)`). So collect them now, while every peer is alive, and meet at the store
+    (not at a gloo collective: the function may have destroyed the process group already).
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    store.add("hf_parallel/released", 1)
+    while int(store.add("hf_parallel/released", 0)) < world_size:
+        time.sleep(0.05)
 
 
 def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 300.0) -> None:
@@ -451,7 +473,9 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
     Like `accelerate.debug_launcher`, but spawned, not forked: a fork of a process whose OpenMP thread pool has run
     (any earlier torch op, e.g. a previous test) can deadlock in the child, which then waits forever on a futex. The
     function must be importable (defined at module level); a rank that raises makes this raise, with its traceback.
-    The function should end with `dist.barrier(); dist.destroy_process_group()`.
+    When it returns, each rank frees what it left behind (a trainer and its DDP wrapper in reference cycles),
+    destroys the process group if the function did not, and waits until every rank has done so before any exits,
+    so that no rank tears down gloo objects while a peer has already gone.
 
     Args:
         function (`Callable`): the body of each rank.

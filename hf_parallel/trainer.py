@@ -16,6 +16,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .data_parallel import BalancedDataParallel
 from .guards import check_launch
 from .loss import EvalTotals, LossHead, StepCounts, UnsupportedHead, resolve_head
+from .teardown import track_trainer
 from .training_args import TrainingArguments
 from .unwrap import (
     CHECKPOINT_WEIGHT_FILES,
@@ -54,6 +55,9 @@ class Trainer(transformers.Trainer):
         # args.world_size sets up the devices and the process group, which is what the guards inspect.
         check_launch(args)
         super().__init__(model, args, *positional, **kwargs)
+        if args.world_size > 1:
+            # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
+            track_trainer(self)
         self._exact_heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self._exact_warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None

@@ -1,11 +1,14 @@
-"""`hf-parallel config` and `hf-parallel env`, and the accelerate configs shipped as package data.
+"""`hf-parallel config` and `hf-parallel env`, the accelerate configs shipped as package data, and the GPU count
+`hf-parallel config` gets without torch.
 
-GPU machines are simulated by patching the GPU count the command sees; every written config is loaded back with
-accelerate's own loader and checked against what `accelerate launch` will do with it.
+GPU machines are simulated by patching the GPU count the command sees (or by a fake `nvidia-smi` on PATH); every
+written config is loaded back with accelerate's own loader and checked against what `accelerate launch` will do with
+it. User errors are also run as the console script runs them, in a fresh interpreter: one line, exit 2, no traceback.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -16,25 +19,31 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from hf_parallel import cli
-from hf_parallel.cli import SHIPPED_CONFIGS, main, plan_config, shipped_config, shipped_config_text, trainer_mode
+from hf_parallel.commands import config_plan
+from hf_parallel.commands import env as env_command
+from hf_parallel.commands import gpus as gpu_count
+from hf_parallel.commands.config_plan import SHIPPED_CONFIGS, plan_config, shipped_config, shipped_config_text
+from hf_parallel.commands.env import trainer_mode
+from hf_parallel.commands.main import main
+from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """Make `hf-parallel` see the given number of GPUs."""
+    """Make `hf-parallel` see the given number of GPUs (`config` counts them without torch, `env` with it)."""
 
     def set_count(n: int):
-        monkeypatch.setattr(cli, "_visible_gpus", lambda: n)
+        monkeypatch.setattr(config_plan, "count_gpus", lambda: n)
+        monkeypatch.setattr(env_command, "torch_gpu_count", lambda: n)
 
     return set_count
 
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
+    for name in WORLD_SIZE_VARIABLES + LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -152,8 +161,9 @@ def test_config_to_stdout_is_valid_yaml_and_the_command_goes_to_stderr(gpus, cap
     [
         (["--num-machines", "2"], "--main-process-ip is required with --num-machines 2"),
         (["--num-machines", "2", "--machine-rank", "2", "--main-process-ip", "h"], "--machine-rank must be in 0..1"),
-        (["--num-machines", "0"], "--num-machines must be >= 1, got 0"),
-        (["--num-processes", "0"], "--num-processes must be >= 1"),
+        (["--num-machines", "0"], "--num-machines must be a whole number >= 1, got 0"),
+        (["--machine-rank", "-1"], "--machine-rank must be a whole number >= 0, got -1"),
+        (["--num-processes", "0"], "--num-processes must be a whole number >= 1, got 0"),
         (["--num-processes", "5"], "--num-processes 5 is more than the 4 GPUs available here"),
         (["--gpu-ids", "0,7"], "--gpu-ids '0,7' must name distinct GPUs among the 4 visible here"),
         (["--gpu-ids", "0,a"], "--gpu-ids must be comma-separated GPU indices"),
@@ -161,11 +171,14 @@ def test_config_to_stdout_is_valid_yaml_and_the_command_goes_to_stderr(gpus, cap
         (["--cpu", "--gpu-ids", "0,1"], "the config is for CPU processes (--cpu was given)"),
         (["--cpu", "--mixed-precision", "fp16"], "fp16 needs GPUs"),
         (["--main-process-port", "70000"], "TCP port in 0..65535, got 70000"),
+        (["--main-process-port", "-1"], "--main-process-port must be a whole number >= 0, got -1"),
         (
             ["--num-machines", "2", "--main-process-ip", "10.0.0.1", "--main-process-port", "0"],
             "--main-process-port 0 (a port picked at launch) only works on one machine",
         ),
         (["--num-machines", "2", "--main-process-ip", "bad host!"], "neither an IP address nor a host name"),
+        (["--num-machines", "2", "--main-process-ip", "node-.lan"], "'node-.lan' is neither an IP address nor a host"),
+        (["--num-machines", "2", "--main-process-ip", "10.0.0.256"], "'10.0.0.256' is not a valid IP address"),
     ],
 )
 def test_config_errors_name_the_value_and_the_fix(gpus, tmp_path, capsys, argv, message):
@@ -173,8 +186,18 @@ def test_config_errors_name_the_value_and_the_fix(gpus, tmp_path, capsys, argv, 
     with pytest.raises(SystemExit) as exit_info:
         main(["config", *argv, "-o", str(tmp_path / "c.yaml")])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("hf-parallel config: error: ")
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_config_accepts_host_names_and_ipv6(gpus, tmp_path, capsys):
+    gpus(1)
+    for host in ("node-0.cluster.lan", "gpu01", "fd00::1"):
+        config, _, _ = _config(tmp_path, capsys, "--num-machines", "2", "--main-process-ip", host)
+        assert config.main_process_ip == host
+        (tmp_path / "config.yaml").unlink()
 
 
 def test_config_refuses_to_overwrite_without_the_flag(gpus, tmp_path, capsys):
@@ -241,7 +264,7 @@ def test_env_under_a_mislaunch_reports_the_error(gpus, no_launcher, capsys):
 def test_env_with_gpus_predicts_data_parallel_or_ddp(gpus, no_launcher, capsys):
     gpus(4)
     # torch.cuda.get_device_properties needs real GPUs; this test only needs the mode, so drop the device lines.
-    no_launcher.setattr(cli, "_gpu_lines", lambda n: [])
+    no_launcher.setattr(env_command, "_gpu_lines", lambda n: [])
     assert main(["env", "--per-device-train-batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "mode: DataParallel" in out and "accelerate launch --num_processes 4" in out
@@ -282,9 +305,9 @@ def test_trainer_mode_matches_the_training_arguments_here(no_launcher, tmp_path)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["env", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be >= 1, got 0"),
-        (["env", "--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be >= 1, got 0"),
-        (["env", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+        (["env", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be a whole number >= 1"),
+        (["env", "--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be a whole number >= 1"),
+        (["env", "--num-processes", "0"], "--num-processes must be a whole number >= 1, got 0"),
     ],
 )
 def test_env_errors(no_launcher, capsys, argv, message):
@@ -326,3 +349,262 @@ def test_console_script_writes_a_config_accelerate_loads(tmp_path):
     assert "accelerate launch --config_file" in result.stdout
     config = load_config_from_file(str(path))
     assert config.use_cpu is True and config.num_processes == 2
+
+
+# ---- user errors, as the console script shows them ----
+
+
+def _run_python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run `python ARGS` in a fresh interpreter that imports hf_parallel from this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False
+    )
+
+
+def _run_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run `python -m hf_parallel.commands.main ARGV`: what the console script runs."""
+    return _run_python("-m", "hf_parallel.commands.main", *argv, cwd=cwd)
+
+
+# (argv, what the one stderr line must contain): every kind of user error the CLI can meet. "{tmp}" is tmp_path,
+# holding a regular file "file.txt" and a folder "folder".
+USER_ERRORS = [
+    (["config", "-o", "{tmp}/file.txt/cfg.yaml"], "{tmp}/file.txt is a file, not a directory"),
+    (["config", "-o", "{tmp}/file.txt/sub/cfg.yaml"], "{tmp}/file.txt is a file, not a directory"),
+    (["config", "-o", "{tmp}/folder"], "{tmp}/folder is a directory; pass a file path to -o"),
+    (["config", "-o", "{tmp}/folder", "--overwrite"], "{tmp}/folder is a directory"),
+    (["config", "-o", "{tmp}/file.txt"], "{tmp}/file.txt already exists; pass --overwrite"),
+    (["config", "-o", ""], "-o needs a file path"),
+    (["config", "--num-machines", "2", "--main-process-ip", "300.1.2.3"], "'300.1.2.3' is not a valid IP address"),
+    (["config", "--num-machines", "2", "--main-process-ip", "no_such host"], "'no_such host' is neither an IP"),
+    (["config", "--main-process-port", "65536"], "TCP port in 0..65535, got 65536"),
+    (["config", "--main-process-port", "http"], "expected a whole number such as 2, got 'http'"),
+    (["config", "--num-processes", "two"], "expected a whole number such as 2, got 'two'"),
+    (["config", "--num-processes", "1.5"], "got '1.5'"),
+    (["config", "--num-processes", "0"], "--num-processes must be a whole number >= 1, got 0"),
+    (["config", "--cpu", "--mixed-precision", "fp8"], "invalid choice: 'fp8'"),
+    (["config", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["deploy"], "invalid choice: 'deploy'"),
+    (["env", "--gradient-accumulation-steps", "-2"], "--gradient-accumulation-steps must be a whole number >= 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), USER_ERRORS, ids=[" ".join(argv) for argv, _ in USER_ERRORS])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, argv, expected):
+    (tmp_path / "file.txt").write_text("mine\n")
+    (tmp_path / "folder").mkdir()
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    # --cpu: the outcome must not depend on the GPUs of the machine running the test.
+    extra = ["--cpu"] if argv[0] == "config" and "--cpu" not in argv else []
+    result = _run_command(*argv, *extra, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.endswith("\n"), result.stderr
+    assert expected.format(tmp=tmp_path) in result.stderr
+    # Nothing was written or changed.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file.txt", "folder"]
+    assert (tmp_path / "file.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("WORLD_SIZE", "two"), ("WORLD_SIZE", "0"), ("ACCELERATE_USE_CPU", "maybe")]
+)
+def test_env_names_a_bad_launcher_variable_in_one_line(no_launcher, capsys, variable, value):
+    no_launcher.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["env"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"{variable}=" in err and value in err
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), OSError(30, "Read-only file system")])
+def test_unwritable_output_is_one_line_naming_the_path(gpus, tmp_path, capsys, monkeypatch, error):
+    # As root a chmod'ed folder stays writable, so the refusal the OS would give is raised by write_text.
+    def refuse(self, *args, **kwargs):
+        raise error
+
+    gpus(0)
+    monkeypatch.setattr(Path, "write_text", refuse)
+    path = tmp_path / "locked" / "c.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "-o", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"cannot write {path} ({error.strerror}); pass -o a path in a directory you can write to." in err
+
+
+def test_old_import_path_still_works():
+    from hf_parallel import cli
+
+    assert cli.main is main and cli.plan_config is plan_config and cli.trainer_mode is trainer_mode
+
+
+# ---- no torch for --help and config ----
+
+# Runs main(argv) in a fresh interpreter, then says which heavy modules were imported.
+IMPORT_PROBE = """
+import sys
+from hf_parallel.commands.main import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exit:
+    status = exit.code
+heavy = [name for name in ("torch", "transformers") if name in sys.modules]
+print(f"exit {status}; imported: {','.join(heavy) or 'neither'}", file=sys.stderr)
+"""
+
+
+def _probe(tmp_path, *argv: str) -> str:
+    return _run_python("-c", IMPORT_PROBE, *argv, cwd=tmp_path).stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["config", "--help"], ["config", "-o", "{tmp}/out/ddp.yaml"]])
+def test_help_and_config_import_neither_torch_nor_transformers(tmp_path, argv):
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    assert _probe(tmp_path, *argv) == "exit 0; imported: neither"
+    if "-o" in argv:
+        assert load_config_from_file(argv[-1]).distributed_type == DistributedType.MULTI_GPU
+
+
+def test_env_imports_torch_so_the_probe_sees_it(tmp_path):
+    # Control for the test above: the probe does see torch when a command imports it.
+    assert _probe(tmp_path, "env").startswith("exit 0; imported: torch")
+
+
+# ---- counting GPUs without torch ----
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("", []),
+        ("0", [0]),
+        ("0,1, 2", [0, 1, 2]),
+        ("2,0", [2, 0]),
+        ("0,-1,1", [0]),
+        ("-1", []),
+        ("1gpu,3", [1, 3]),
+        ("0,x,1", [0]),
+        ("0,1,0", []),
+        ("GPU-ab12,GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
+        ("GPU-ab12,1", ["GPU-ab12"]),
+        ("MIG-ff00", ["MIG-ff00"]),
+        ("GPU-ab,GPU-ab", []),
+    ],
+)
+def test_parse_visible_devices_as_cuda_reads_it(value, expected):
+    assert gpu_count.parse_visible_devices(value) == expected
+
+
+UUIDS = ["GPU-aaaa-1111", "GPU-aaaa-2222", "GPU-bbbb-3333"]
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        (None, 3),
+        ([], 0),
+        ([1], 1),
+        ([2, 0], 2),
+        ([0, 3, 1], 1),
+        ([5], 0),
+        (["GPU-bbbb"], 1),
+        (["GPU-aaaa-2", "GPU-b"], 2),
+        (["GPU-aaaa", "GPU-b"], 0),
+        (["GPU-b", "GPU-cccc"], 1),
+        (["GPU-b", "GPU-bbbb-3"], 0),
+        (["MIG-1234"], None),
+    ],
+)
+def test_visible_gpu_count_follows_cuda(visible, expected):
+    assert gpu_count.visible_gpu_count(visible, 3, UUIDS) == expected
+
+
+def test_visible_gpu_count_without_uuids_leaves_uuid_lists_to_torch():
+    assert gpu_count.visible_gpu_count(["GPU-aaaa"], 3, None) is None
+    assert gpu_count.visible_gpu_count([0, 1], 3, None) == 2
+
+
+@pytest.fixture
+def driver(monkeypatch, tmp_path):
+    """A machine whose NVIDIA driver, ROCm and proc entries are what the test says (none by default)."""
+    cat = shutil.which("cat")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_count, "PROC_GPUS", tmp_path / "proc-gpus")
+    monkeypatch.setattr(gpu_count, "OTHER_GPU_DRIVERS", (tmp_path / "kfd",))
+
+    def torch_must_not_count():
+        raise AssertionError("torch was asked to count the GPUs")
+
+    monkeypatch.setattr(gpu_count, "torch_gpu_count", torch_must_not_count)
+
+    def nvidia_smi(output: str, status: int = 0):
+        script = bin_dir / "nvidia-smi"
+        script.write_text(f"#!/bin/sh\n{cat} <<'END'\n{output}END\nexit {status}\n")
+        script.chmod(0o755)
+
+    return nvidia_smi
+
+
+SMI_OUTPUT = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa-1111)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa-2222)
+GPU 2: NVIDIA A100-SXM4-40GB (UUID: GPU-bbbb-3333)
+  MIG 3g.20gb     Device  0: (UUID: MIG-cccc-4444)
+"""
+
+
+def test_count_gpus_without_any_driver_is_zero(driver):
+    assert gpu_count.count_gpus() == 0
+
+
+def test_count_gpus_from_nvidia_smi(driver, monkeypatch):
+    driver(SMI_OUTPUT)
+    assert gpu_count.count_gpus() == 3
+    assert gpu_count.count_gpus({"CUDA_VISIBLE_DEVICES": "2,0"}) == 2
+    assert gpu_count.count_gpus({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"}) == 1
+    assert gpu_count.count_gpus({"CUDA_VISIBLE_DEVICES": "0,7,1"}) == 1
+    assert gpu_count.count_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu_count.count_gpus() == 1
+
+
+def test_count_gpus_from_proc_without_nvidia_smi(driver, tmp_path):
+    for address in ("0000:17:00.0", "0000:65:00.0"):
+        (tmp_path / "proc-gpus" / address).mkdir(parents=True)
+    assert gpu_count.count_gpus() == 2
+    assert gpu_count.count_gpus({"CUDA_VISIBLE_DEVICES": "1,2"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("setup", "visible"),
+    [
+        ("nvidia-smi fails", None),
+        ("MIG instances", "MIG-cccc-4444"),
+        ("UUIDs without nvidia-smi", "GPU-aaaa"),
+        ("ROCm", None),
+    ],
+)
+def test_count_gpus_asks_torch_only_where_the_driver_cannot_tell(driver, monkeypatch, tmp_path, setup, visible):
+    if setup == "nvidia-smi fails":
+        driver("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", status=9)
+    elif setup == "MIG instances":
+        driver(SMI_OUTPUT)
+    elif setup == "UUIDs without nvidia-smi":
+        (tmp_path / "proc-gpus" / "0000:17:00.0").mkdir(parents=True)
+    else:
+        (tmp_path / "kfd").touch()
+    monkeypatch.setattr(gpu_count, "torch_gpu_count", lambda: 5)
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert gpu_count.count_gpus(environ) == 5
+
+
+def test_config_plans_for_the_gpus_nvidia_smi_lists(driver, tmp_path, capsys):
+    driver(SMI_OUTPUT)
+    config, _, _ = _config(tmp_path, capsys)
+    assert config.use_cpu is False and config.num_processes == 3 and config.gpu_ids == "all"

@@ -10,17 +10,16 @@ import pytest
 import torch
 import transformers
 
-from hf_parallel import Trainer, TrainingArguments, guards
-from hf_parallel.cli import trainer_mode
+from hf_parallel import Trainer, TrainingArguments, guards, launch_env
+from hf_parallel.commands.env import trainer_mode
+from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES
 from hf_parallel.testing import simulated_training_args
 from tests.tiny import classification_rows, tiny_bert_classifier
-
-LAUNCH_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "LOCAL_RANK", "RANK")
 
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for name in LAUNCH_VARIABLES + ("ACCELERATE_USE_CPU",):
+    for name in WORLD_SIZE_VARIABLES + LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -52,6 +51,12 @@ def guard_log(caplog):
 )
 def test_launcher_world_size_reads_the_first_variable_set(environ, expected):
     assert guards.launcher_world_size(environ) == expected
+
+
+def test_guards_reads_the_launcher_through_launch_env():
+    # One place reads launcher variables; the names stay importable from guards for code that used them there.
+    assert guards.launcher_world_size is launch_env.launcher_world_size
+    assert guards.WORLD_SIZE_VARIABLES is launch_env.WORLD_SIZE_VARIABLES
 
 
 @pytest.mark.parametrize(("value", "message"), [("two", "not a whole number"), ("0", "must be >= 1")])
@@ -127,7 +132,7 @@ def cuda_initialised_with(monkeypatch):
 
 def test_visible_devices_changed_after_cuda_init_warns(monkeypatch, cuda_initialised_with, guard_log):
     cuda_initialised_with("0,1")
-    # What the source document does: set it after init_process_group / CUDA use.
+    # Set after init_process_group / CUDA use, as scripts that pick GPUs late do.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     guards.check_visible_devices()
     (record,) = guard_log.records
@@ -214,7 +219,7 @@ def test_visible_devices_guard_on_a_real_gpu(monkeypatch, guard_log):
     assert guards._visible_devices_at_cuda_init == os.environ.get("CUDA_VISIBLE_DEVICES")
     guards.check_visible_devices()
     assert guard_log.records == []
-    # The source document's move: change it afterwards. It has no effect (same devices), and the guard says so.
+    # Change it afterwards, as scripts that pick GPUs late do. It has no effect (same devices), and the guard says so.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if before > 1 else "")
     assert torch.cuda.device_count() == before
     guards.check_visible_devices()
