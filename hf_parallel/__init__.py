@@ -16,7 +16,7 @@ _EXPORTS = {
     "balanced_chunk_sizes": "data_parallel",
     "suggest_gpu0_bsz": "data_parallel",
     "unwrap_model": "unwrap",
-    "load_state_dict": "unwrap",
+    "load_state_dict": "checkpoints",
     "CleanCheckpointCallback": "callbacks",
     "PeakMemoryCallback": "callbacks",
     "Gpu0BszAdvisorCallback": "callbacks",
@@ -50,12 +50,13 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
+    from .checkpoints import load_state_dict
     from .data_parallel import BalancedDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
     from .teardown import release_distributed
     from .trainer import Trainer
     from .training_args import TrainingArguments
-    from .unwrap import load_state_dict, unwrap_model
+    from .unwrap import unwrap_model
 
 
 def __getattr__(name: str):

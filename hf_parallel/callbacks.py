@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
+from .checkpoints import CHECKPOINT_WEIGHT_FILES, checkpoint_weight_files, load_state_dict, stored_keys
 from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
-from .unwrap import (
-    CHECKPOINT_WEIGHT_FILES,
-    DATA_PARALLEL_CLASSES,
-    has_wrapper_prefixes,
-    load_state_dict,
-    read_state_dict,
-    unwrap_model,
-)
+from .unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
+from .validation import check_whole_number
 
 logger = logging.get_logger(__name__)
 
@@ -68,7 +61,7 @@ class CleanCheckpointCallback(TrainerCallback):
         if model is None or not args.should_save:
             return
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        stored = [name for name in CHECKPOINT_WEIGHT_FILES if os.path.isfile(os.path.join(checkpoint, name))]
+        stored = checkpoint_weight_files(checkpoint)
         if not stored:
             logger.warning(
                 f"CleanCheckpointCallback: no weights found in {checkpoint} (hyper-parameter search runs save "
@@ -76,13 +69,12 @@ class CleanCheckpointCallback(TrainerCallback):
             )
             return
         inner = unwrap_model(model)
-        stale = _weight_files(checkpoint, stored)
-        keys = _stored_keys(os.path.join(checkpoint, stored[0]))
+        keys = stored_keys(stored[0])
         no_config = isinstance(inner, PreTrainedModel) and not os.path.isfile(os.path.join(checkpoint, "config.json"))
         if not has_wrapper_prefixes(keys, inner) and not no_config:
             return
         # on_save runs right after the save of this step, before any other update: the live weights are the saved ones.
-        for path in stale:
+        for path in checkpoint_weight_files(checkpoint, shards=True):
             os.remove(path)
         if isinstance(inner, PreTrainedModel):
             inner.save_pretrained(checkpoint)
@@ -95,7 +87,7 @@ class CleanCheckpointCallback(TrainerCallback):
         if model is None or state.global_step == 0 or unwrap_model(model) is model:
             return
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if any(os.path.isfile(os.path.join(checkpoint, name)) for name in CHECKPOINT_WEIGHT_FILES):
+        if checkpoint_weight_files(checkpoint):
             load_state_dict(model, checkpoint, strict=True)
             logger.info(f"CleanCheckpointCallback: loaded {checkpoint} into the unwrapped {type(model).__name__}.")
         else:
@@ -104,29 +96,6 @@ class CleanCheckpointCallback(TrainerCallback):
                 f"{checkpoint} does not exist, so the weights could not be checked. Load them with "
                 "hf_parallel.load_state_dict(model, checkpoint), or use hf_parallel.Trainer."
             )
-
-
-def _weight_files(checkpoint: str, stored: list[str]) -> list[str]:
-    """Every weight file of a checkpoint: the single files and indexes present, and the shards they list."""
-    paths = [os.path.join(checkpoint, name) for name in stored]
-    for name in stored:
-        if name.endswith(".index.json"):
-            with open(os.path.join(checkpoint, name), encoding="utf-8") as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
-            paths += [
-                os.path.join(checkpoint, s) for s in sorted(shards) if os.path.isfile(os.path.join(checkpoint, s))
-            ]
-    return paths
-
-
-def _stored_keys(path: str) -> list[str]:
-    if path.endswith(".safetensors"):
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    if path.endswith(".index.json"):
-        with open(path, encoding="utf-8") as f:
-            return list(json.load(f)["weight_map"])
-    return list(read_state_dict(path))
 
 
 # ---- Per-device peak memory and the gpu0_bsz advisor (issue 4) ----
@@ -201,9 +170,7 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
     """
 
     def __init__(self, after_steps: int = 3):
-        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 1:
-            raise ValueError(f"after_steps must be a whole number >= 1, got {after_steps!r}.")
-        self.after_steps = after_steps
+        self.after_steps = check_whole_number("after_steps", after_steps, minimum=1)
         self.suggestion: int | None = None
         self.measured: dict | None = None
         self._pending_log = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import itertools
 from typing import Any
 
 import torch
@@ -13,19 +13,14 @@ from transformers.trainer import _is_peft_model
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
+from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import BalancedDataParallel
+from .exact import ExactLoss, LossHead, StepCounts
 from .guards import check_launch
-from .loss import EvalTotals, LossHead, StepCounts, UnsupportedHead, resolve_head
 from .teardown import track_trainer
 from .training_args import TrainingArguments
-from .unwrap import (
-    CHECKPOINT_WEIGHT_FILES,
-    clean_state_dict,
-    has_wrapper_prefixes,
-    load_state_dict,
-    unwrap_model,
-    unwrap_user_model,
-)
+from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
+from .upstream import temporarily
 
 logger = logging.get_logger(__name__)
 
@@ -58,78 +53,49 @@ class Trainer(transformers.Trainer):
         if args.world_size > 1:
             # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
             track_trainer(self)
-        self._exact_heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
-        self._exact_warned: set[str] = set()
-        self._eval_totals: EvalTotals | None = None
+        distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type != DistributedType.NO
+        self.exact = ExactLoss(
+            enabled=self.args.exact_loss,
+            label_names=self.label_names,
+            label_smoothing=self.args.label_smoothing_factor,
+            num_processes=self.accelerator.num_processes if distributed else 1,
+            reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
+            gather_rows=self.accelerator.gather_for_metrics,
+            unwrap=self.accelerator.unwrap_model,
+        )
 
-    # ---- Exact loss (the per-head arithmetic lives in loss.py) ----
+    # ---- Exact loss (the arithmetic lives in hf_parallel.exact) ----
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
-        if not self.args.exact_loss:
-            return None
-        # Called twice a micro-batch: keyed on what can change (the model, e.g. under model_init; a classifier's
-        # problem_type, settled by the first labels), unwrapped only on a miss.
-        config = getattr(self.model, "config", None)
-        key = (id(self.model), getattr(config, "problem_type", None), self.compute_loss_func is not None)
-        cached = self._exact_heads.get(key)
-        if cached is not None and cached[0] is self.model:  # the model itself, not a later one reusing its id
-            return cached[1]
-        try:
-            head = self._resolve_exact_head(self.accelerator.unwrap_model(self.model), batch)
-        except UnsupportedHead as reason:
-            if batch is None and "problem_type is unset" in str(reason):
-                return None  # settled at the first batch, which carries the labels
-            self._warn_fallback(str(reason))
-            head = None
-        self._exact_heads[(id(self.model), getattr(config, "problem_type", None), key[2])] = (self.model, head)
-        return head
+        return self.exact.head(
+            self.model,
+            batch,
+            blocked=self._exact_loss_blocked(),
+            loss_func=self.compute_loss_func,
+            loss_func_shifts=self._loss_shifts_labels,
+        )
 
-    def _resolve_exact_head(self, model: nn.Module, batch: dict | None) -> LossHead:
+    def _exact_loss_blocked(self) -> str | None:
+        """Why this Trainer cannot use the exact loss at all, or None."""
         if type(self).compute_loss is not Trainer.compute_loss:
-            raise UnsupportedHead(f"{type(self).__name__} overrides compute_loss, which then owns the normalisation.")
+            return f"{type(self).__name__} overrides compute_loss, which then owns the normalisation."
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
         if any(size > 1 for size in sizes.values()):
-            raise UnsupportedHead(f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks.")
-        sample_labels = batch.get("labels") if batch is not None else None
-        try:
-            return resolve_head(model, self.label_names, self.args.label_smoothing_factor, sample_labels)
-        except UnsupportedHead:
-            if self.compute_loss_func is None or self.label_names != ["labels"]:
-                raise
-            # A user loss on a model we do not know: we only need its item count, which is the stock one.
-            return LossHead("compute_loss_func", shift=self._loss_shifts_labels)
-
-    def _warn_fallback(self, reason: str) -> None:
-        if reason not in self._exact_warned:
-            self._exact_warned.add(reason)
-            logger.warning(f"exact_loss: {reason} This model trains with the stock transformers loss instead.")
+            return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
+        return None
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         if not self.args.exact_loss:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batch_samples = []
-        for _ in range(num_batches):
-            try:
-                batch_samples.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        # Stock's loop without its count: the stock count costs a collective under DDP, and the exact one replaces it.
+        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
         head = self._exact_head(batch_samples[0] if batch_samples else None)
-        if head is None or not all(key in batch for batch in batch_samples for key in head.label_keys):
-            if head is not None:
-                self._warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
+        if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
-        counts = sum(head.count(batch, self._sequence_length(batch)).to(device) for batch in batch_samples)
-        scale = 1
-        if self.accelerator.num_processes > 1 and self.accelerator.distributed_type != DistributedType.NO:
-            # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
-            # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            counts = self.accelerator.reduce(counts, reduction="sum")
-            scale = self.accelerator.num_processes
-        return batch_samples, StepCounts(counts, scale)
+        return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name())
 
-    def _sequence_length(self, batch: dict) -> int | None:
-        main = batch.get(getattr(self.model, "main_input_name", "input_ids"), batch.get("attention_mask"))
-        return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
+    def _main_input_name(self) -> str:
+        return getattr(self.model, "main_input_name", "input_ids")
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
@@ -138,11 +104,8 @@ class Trainer(transformers.Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
-        previous, self.loss_is_scaled_for_ga = self.loss_is_scaled_for_ga, True
-        try:
+        with temporarily(self, "loss_is_scaled_for_ga", True):
             return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            self.loss_is_scaled_for_ga = previous
 
     def compute_loss(
         self,
@@ -152,34 +115,20 @@ class Trainer(transformers.Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         head = self._exact_head(inputs)
-        if head is None or not all(key in inputs for key in head.label_keys):
-            if isinstance(num_items_in_batch, StepCounts):
-                num_items_in_batch = num_items_in_batch.total()
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if head is None or not head.has_labels(inputs):
+            return super().compute_loss(model, inputs, return_outputs, StepCounts.as_stock(num_items_in_batch))
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
-        inputs = dict(inputs)  # the caller's dict keeps its labels
-        labels = head.pop_labels(inputs)
-        if head.name == "seq2seq_lm" and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            # The model builds decoder inputs from the labels it no longer receives.
-            unwrapped = self.accelerator.unwrap_model(model)
-            inputs["decoder_input_ids"] = unwrapped.prepare_decoder_input_ids_from_labels(labels=labels["labels"])
+        inputs, labels = self.exact.split_labels(head, inputs, self.accelerator.unwrap_model(model))
         outputs = model(**inputs)
-
-        if self.compute_loss_func is not None:
-            total = step.total() if step is not None else head.count(labels, self._sequence_length(inputs)).sum()
-            loss = self.compute_loss_func(outputs, labels["labels"], num_items_in_batch=total)
-        else:
-            row_sums, row_counts = head.row_terms(outputs, labels)
-            if step is not None:
-                loss = head.combine(row_sums.sum(0), step.counts)
-            else:
-                loss = head.combine(row_sums.sum(0), row_counts.sum(0))
-                if self._eval_totals is not None:
-                    # Per-row terms, so that gather_for_metrics drops the rows a distributed sampler duplicated.
-                    gathered = self.accelerator.gather_for_metrics((row_sums.detach(), row_counts))
-                    self._eval_totals.add(head, *gathered)
-        if step is not None:
-            loss = loss * step.scale
+        loss = self.exact.loss(
+            head,
+            outputs,
+            labels,
+            step,
+            inputs,
+            loss_func=self.compute_loss_func,
+            main_input_name=self._main_input_name(),
+        )
         if not return_outputs:
             return loss
         if not isinstance(outputs, dict):
@@ -194,14 +143,13 @@ class Trainer(transformers.Trainer):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ):
-        self._eval_totals = EvalTotals() if self.args.exact_loss else None
+        self.exact.start_evaluation()
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
-            totals, self._eval_totals = self._eval_totals, None
-        exact = totals.value() if totals is not None else None
+            exact = self.exact.finish_evaluation()
         if exact is not None:
             # Stock reports the mean of per-batch means; this is sum of losses / sum of items over the whole set.
             output.metrics[f"{metric_key_prefix}_loss"] = exact
@@ -280,14 +228,14 @@ class Trainer(transformers.Trainer):
             model._is_accelerate_prepared = False
             self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
 
-    # ---- Saving and loading: checkpoints never carry wrapper prefixes (the logic lives in unwrap.py) ----
+    # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
     def _plain_weights_checkpoint(self, model: nn.Module | None, checkpoint: str | None) -> bool:
         """Whether loading `checkpoint` is a plain state-dict load, the case the stock code gets wrong on prefixes."""
         if checkpoint is None or self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled():
             return False
         if model is not None and _is_peft_model(unwrap_model(model)):
             return False
-        return any(os.path.isfile(os.path.join(checkpoint, name)) for name in CHECKPOINT_WEIGHT_FILES)
+        return bool(checkpoint_weight_files(checkpoint))
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         inner = unwrap_model(self.model) if isinstance(self.model, nn.Module) else self.model
@@ -298,11 +246,8 @@ class Trainer(transformers.Trainer):
         # `_orig_mod.` / `module.` keys, which from_pretrained silently skips. Save the inner model instead.
         if state_dict is not None:
             state_dict = clean_state_dict(state_dict, inner)
-        wrapped, self.model = self.model, inner
-        try:
+        with temporarily(self, "model", inner):
             super()._save(output_dir, state_dict)
-        finally:
-            self.model = wrapped
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if model is None:

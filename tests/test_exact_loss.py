@@ -365,9 +365,9 @@ def test_upstream_hook_signatures(name, params):
 
 
 def test_question_answering_without_a_sequence_length_is_a_clear_error():
-    from hf_parallel.loss import LossHead
+    from hf_parallel.exact import QuestionAnsweringHead
 
-    head = LossHead("question_answering", ("start_positions", "end_positions"))
+    head = QuestionAnsweringHead()
     labels = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 9])}
     assert head.count(labels, seq_len=8).tolist() == [2, 1]
     with pytest.raises(ValueError, match="no input_ids or attention_mask"):

@@ -1,6 +1,7 @@
 """
-hf_parallel.Trainer saves clean checkpoints and resumes from them in every set-up; CleanCheckpointCallback does the
-same for the stock Trainer; a training killed with SIGKILL resumes to the same weights.
+hf_parallel.Trainer saves clean checkpoints and resumes from them in every set-up, a quantization-aware-training model
+included; a training killed with SIGKILL resumes to the same weights. CleanCheckpointCallback, which does the same for
+the stock Trainer: test_callbacks.py, with the harness of this file.
 """
 
 import contextlib
@@ -23,19 +24,20 @@ from safetensors import safe_open
 from torch import nn
 from transformers import BertForSequenceClassification
 
-from hf_parallel import CleanCheckpointCallback, Trainer, TrainingArguments, load_state_dict, unwrap_model
+from hf_parallel import Trainer, TrainingArguments, load_state_dict, unwrap_model
+from hf_parallel.checkpoints import stored_keys
 from hf_parallel.testing import (
     SimulatedBalancedDataParallel,
     simulate_data_parallel,
     simulated_training_args,
     spawn_cpu_ranks,
 )
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.distributed.save_train_worker import MAX_STEPS, make_trainer
+from tests.test_checkpoints import qat_model
+from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "save_train_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-from save_train_worker import MAX_STEPS, make_trainer  # noqa: E402
 
 WRAPPER_PARTS = {"module", "_orig_mod"}
 
@@ -71,7 +73,7 @@ def _args_kw(output_dir, **kw):
 
 
 @contextlib.contextmanager
-def _setup(
+def setup_case(
     case,
     output_dir,
     seed=0,
@@ -98,19 +100,18 @@ def _setup(
         yield trainer, model
 
 
-def _weights(model):
+def weights_of(model):
     return {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()}
 
 
-def _assert_same(a, b, atol=1e-6):
+def assert_same_weights(a, b, atol=1e-6):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
 
 
 def _stored_keys(checkpoint):
-    with safe_open(os.path.join(checkpoint, "model.safetensors"), framework="pt") as f:
-        return set(f.keys())
+    return set(stored_keys(os.path.join(checkpoint, "model.safetensors")))
 
 
 PROBE = classification_rows(6, seed=7)
@@ -123,7 +124,7 @@ def _logits(model):
         return unwrap_model(model)(**batch).logits
 
 
-def _assert_clean_checkpoint(checkpoint, trained, same_step=True):
+def assert_clean_checkpoint(checkpoint, trained, same_step=True):
     """The checkpoint has exactly the model's keys; from_pretrained rebuilds the same predictions (same_step)."""
     inner = unwrap_model(trained)
     keys = _stored_keys(checkpoint)
@@ -141,7 +142,7 @@ SLOW_CASES = {"compile", "user_compiled"}  # compilation takes seconds, even wit
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_checkpoints_are_clean_and_resume(case, tmp_path):
-    with _setup(case, tmp_path / "run") as (trainer, model):
+    with setup_case(case, tmp_path / "run") as (trainer, model):
         trainer.train()
         if case in ("dp", "balanced_dp", "user_dp", "user_balanced_dp"):  # the topology the case is about
             assert trainer.args.n_gpu == CASES[case]["n_gpu"]
@@ -151,43 +152,43 @@ def test_checkpoints_are_clean_and_resume(case, tmp_path):
             assert trainer.model_wrapped.gpu0_bsz == 1 and trainer.args.gpu0_bsz == 1
         if case.startswith("user_"):
             assert trainer.model is not trainer.model_wrapped or case == "user_compiled"
-        final = _weights(trainer.model)
-    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-2", model, same_step=False)
-    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-4", model)
+        final = weights_of(trainer.model)
+    assert_clean_checkpoint(tmp_path / "run" / "checkpoint-2", model, same_step=False)
+    assert_clean_checkpoint(tmp_path / "run" / "checkpoint-4", model)
     trainer.save_model(tmp_path / "final")
-    _assert_clean_checkpoint(tmp_path / "final", model)
+    assert_clean_checkpoint(tmp_path / "final", model)
 
     # Resume into a model with other initial weights: a silently skipped load would end elsewhere.
-    with _setup(case, tmp_path / "resumed", seed=1) as (resumed, _):
+    with setup_case(case, tmp_path / "resumed", seed=1) as (resumed, _):
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-        _assert_same(_weights(resumed.model), final)
+        assert_same_weights(weights_of(resumed.model), final)
 
 
 def test_resume_from_a_prefixed_checkpoint(tmp_path):
-    with _setup("plain", tmp_path / "run") as (trainer, _):
+    with setup_case("plain", tmp_path / "run") as (trainer, _):
         trainer.train()
-        final = _weights(trainer.model)
+        final = weights_of(trainer.model)
     clean = safetensors.torch.load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
     for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
         # An older run (or another tool) wrote the weights of a wrapped model.
         checkpoint = tmp_path / f"old-{prefix}" / "checkpoint-2"
         shutil.copytree(tmp_path / "run" / "checkpoint-2", checkpoint)
         safetensors.torch.save_file({prefix + k: v for k, v in clean.items()}, checkpoint / "model.safetensors")
-        with _setup("plain", tmp_path / f"ours-{prefix}", seed=1) as (ours, _):
+        with setup_case("plain", tmp_path / f"ours-{prefix}", seed=1) as (ours, _):
             ours.train(resume_from_checkpoint=str(checkpoint))
-            _assert_same(_weights(ours.model), final)
+            assert_same_weights(weights_of(ours.model), final)
 
     # Control: stock resumes from the random initial weights with only a warning.
-    with _setup(
+    with setup_case(
         "plain", tmp_path / "stock", seed=1, trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments
     ) as (stock, _):
         stock.train(resume_from_checkpoint=str(checkpoint))
-        stock_final = _weights(stock.model)
+        stock_final = weights_of(stock.model)
     assert (stock_final["classifier.weight"] - final["classifier.weight"]).abs().max() > 1e-3
 
 
 def test_resume_fails_loudly_on_another_model(tmp_path):
-    with _setup("plain", tmp_path / "run") as (trainer, _):
+    with setup_case("plain", tmp_path / "run") as (trainer, _):
         trainer.train()
     trainer = Trainer(
         model=tiny_bert_classifier(num_labels=3),
@@ -199,7 +200,7 @@ def test_resume_fails_loudly_on_another_model(tmp_path):
 
 
 def test_load_best_model_at_end_with_user_wrapped_model(tmp_path):
-    with _setup(
+    with setup_case(
         "user_dp",
         tmp_path,
         eval_strategy="steps",
@@ -213,16 +214,16 @@ def test_load_best_model_at_end_with_user_wrapped_model(tmp_path):
         best = trainer.state.best_model_checkpoint
     assert best is not None
     stored = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
-    _assert_same(_weights(model), stored, atol=0)
+    assert_same_weights(weights_of(model), stored, atol=0)
 
 
 def test_stock_trainer_fails_on_a_user_wrapped_model(tmp_path):
     """The two failures hf_parallel.Trainer fixes (DESIGN.md): no columns left, then a `module.` checkpoint."""
     kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments)
-    with _setup("user_dp", tmp_path / "a", **kw) as (stock, _):
+    with setup_case("user_dp", tmp_path / "a", **kw) as (stock, _):
         with pytest.raises(ValueError, match="The batch received was empty"):
             stock.train()
-    with _setup("user_dp", tmp_path / "b", remove_unused_columns=False, **kw) as (stock, _):
+    with setup_case("user_dp", tmp_path / "b", remove_unused_columns=False, **kw) as (stock, _):
         stock.train()
     keys = _stored_keys(tmp_path / "b" / "checkpoint-2")
     assert all(k.startswith("module.") for k in keys)
@@ -230,41 +231,34 @@ def test_stock_trainer_fails_on_a_user_wrapped_model(tmp_path):
     assert "classifier.weight" in info["missing_keys"]  # from_pretrained "loads" it: every weight random
 
 
-@pytest.mark.parametrize("case", ["user_dp", "user_compiled"])
-def test_callback_cleans_stock_checkpoints(case, tmp_path, caplog):
-    kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments, remove_unused_columns=False)
-    callback = CleanCheckpointCallback()
-    with _setup(case, tmp_path / "run", callbacks=[callback], **kw) as (stock, model):
-        stock.train()
-        final = _weights(model)
-    assert callback.rewritten == [str(tmp_path / "run" / f"checkpoint-{s}") for s in (2, 4)]
-    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-2", model, same_step=False)
-    _assert_clean_checkpoint(tmp_path / "run" / "checkpoint-4", model)
-
-    checkpoint = str(tmp_path / "run" / "checkpoint-2")
-    if case == "user_dp":
-        assert "cannot resume from them into the wrapper" in caplog.text
-        # The documented way: stock gets the bare model (and wraps it itself on several GPUs).
-        with _setup("dp", tmp_path / "bare", seed=1, callbacks=[CleanCheckpointCallback()], **kw) as (resumed, _):
-            resumed.train(resume_from_checkpoint=checkpoint)
-            _assert_same(_weights(resumed.model), final)
-        return
-    # Stock resumes the compiled wrapper non-strictly, matching no clean key; the callback loads the checkpoint.
-    with _setup(case, tmp_path / "run", seed=1, callbacks=[CleanCheckpointCallback()], **kw) as (resumed, _):
-        resumed.train(resume_from_checkpoint=checkpoint)
-        _assert_same(_weights(resumed.model), final)
-    with _setup(case, tmp_path / "run", seed=1, **kw) as (control, _):  # without the callback
-        control.train(resume_from_checkpoint=checkpoint)
-        control_final = _weights(control.model)
-    assert (control_final["classifier.weight"] - final["classifier.weight"]).abs().max() > 1e-3
+# ---- A model whose own load_state_dict resizes buffers: torch.ao quantization-aware training ----
 
 
-def test_callback_leaves_clean_checkpoints_alone(tmp_path):
-    callback = CleanCheckpointCallback()
-    kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments)
-    with _setup("plain", tmp_path, callbacks=[callback], **kw) as (stock, _):
-        stock.train()
-    assert callback.rewritten == []
+def _qat_trainer(trainer_cls, args_cls, output_dir, seed):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
+    rows = ListDataset([{"x": x[i], "labels": y[i]} for i in range(16)])
+    # qat_model's per-channel observers start with a placeholder shape: (1,) scales, (0,) minima and maxima.
+    return trainer_cls(model=qat_model(seed), args=args_cls(**_args_kw(output_dir)), train_dataset=rows)
+
+
+@pytest.mark.parametrize("trainer_cls", [Trainer, transformers.Trainer], ids=["ours", "stock"])
+def test_resume_a_quantization_aware_model(trainer_cls, tmp_path):
+    """hf_parallel.Trainer resumes where stock does: the model's own load_state_dict resizes the observers."""
+    args_cls = TrainingArguments if trainer_cls is Trainer else transformers.TrainingArguments
+    run = _qat_trainer(trainer_cls, args_cls, tmp_path / "run", seed=0)
+    run.train()
+    final = weights_of(run.model)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
+        assert f.get_slice("fc.weight_fake_quant.scale").get_shape() == [3]
+
+    resumed = _qat_trainer(trainer_cls, args_cls, tmp_path / "resumed", seed=1)  # other initial weights
+    assert resumed.model.fc.weight_fake_quant.scale.shape == (1,)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert resumed.model.fc.weight_fake_quant.scale.shape == (3,)
+    assert_same_weights(weights_of(resumed.model), final)
 
 
 # ---- The process is killed mid-epoch ----
@@ -301,12 +295,12 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
 
     uninterrupted = make_trainer(str(tmp_path / "uninterrupted"))
     uninterrupted.train()
-    _assert_same(_weights(resumed.model), _weights(uninterrupted.model), atol=1e-6)
+    assert_same_weights(weights_of(resumed.model), weights_of(uninterrupted.model), atol=1e-6)
     # Control: a run that restarts from scratch (no resume) ends elsewhere.
     restarted = make_trainer(str(tmp_path / "restarted"), seed=1)
     restarted.train()
     assert (
-        _weights(restarted.model)["classifier.weight"] - _weights(uninterrupted.model)["classifier.weight"]
+        weights_of(restarted.model)["classifier.weight"] - weights_of(uninterrupted.model)["classifier.weight"]
     ).abs().max() > 1e-3
 
 
@@ -331,9 +325,9 @@ def _ddp_worker(output_dir):
         trainer.train()
         assert isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel)
         assert unwrap_model(trainer.model_wrapped) is model
-        final = _weights(model)
+        final = weights_of(model)
         if state.is_main_process:
-            _assert_clean_checkpoint(run / "checkpoint-4", model)
+            assert_clean_checkpoint(run / "checkpoint-4", model)
         state.wait_for_everyone()
 
         resumed = Trainer(
@@ -342,7 +336,7 @@ def _ddp_worker(output_dir):
             train_dataset=classification_rows(24, seed=1),
         )
         resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
-        _assert_same(_weights(resumed.model), final)
+        assert_same_weights(weights_of(resumed.model), final)
         for name, param in resumed.model.named_parameters():  # equal across ranks
             gathered = [torch.empty_like(param) for _ in range(2)]
             dist.all_gather(gathered, param.detach().contiguous())
@@ -379,11 +373,11 @@ def test_private_hook_signatures(name):
 
 
 def test_load_state_dict_is_the_public_loader(tmp_path):
-    with _setup("user_dp", tmp_path) as (trainer, model):
+    with setup_case("user_dp", tmp_path) as (trainer, model):
         trainer.train()
     target = nn.DataParallel(tiny_bert_classifier(seed=5))
     load_state_dict(target, tmp_path / "checkpoint-4")
-    _assert_same(_weights(target), _weights(model), atol=0)
+    assert_same_weights(weights_of(target), weights_of(model), atol=0)
 
 
 def test_user_balanced_wrapper_settings(tmp_path):

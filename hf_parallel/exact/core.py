@@ -1,0 +1,255 @@
+"""
+`ExactLoss`: the exact loss of a training run, apart from the Trainer that calls it.
+
+For one optimizer step made of micro-batches m on devices d, the loss to back-propagate is S_md / C, where S_md is
+the micro-batch's loss **sum** and C the item **count** of the whole step (all micro-batches, all ranks), counted
+before the step runs; under DDP each rank scales it by the world size, since DDP averages gradients. Evaluation adds
+S and C up over the whole set and divides once. `ExactLoss` owns the choice of head (cached per model, with one
+warning per reason when it falls back to the stock loss), the step counts, the loss and the evaluation totals.
+
+```python
+from hf_parallel.exact import ExactLoss
+
+exact = ExactLoss(label_names=["labels"])
+head = exact.head(model, batches[0])
+step = exact.count_step(head, batches)  # C of the whole step
+for batch in batches:
+    inputs, labels = exact.split_labels(head, batch, model)
+    exact.loss(head, model(**inputs), labels, step, inputs).backward()  # S_m / C
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .heads import CrossEntropyHead, LossHead
+from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+
+__all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
+
+logger = logging.get_logger("hf_parallel.trainer")
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """
+    The item counts of one whole optimizer step (all micro-batches, all ranks), per loss term.
+
+    The Trainer hands it to `compute_loss` as `num_items_in_batch`; its type tells an exact step from a stock one.
+    `scale` is the factor that undoes DDP's gradient averaging (the number of processes; 1 without DDP).
+    """
+
+    counts: torch.Tensor
+    scale: int = 1
+
+    def total(self) -> torch.Tensor:
+        return self.counts.sum()
+
+    @staticmethod
+    def as_stock(num_items_in_batch: Any) -> Any:
+        """What the stock Trainer expects as `num_items_in_batch`: the total item count of the step."""
+        return num_items_in_batch.total() if isinstance(num_items_in_batch, StepCounts) else num_items_in_batch
+
+
+class EvalTotals:
+    """Running sums of per-row loss sums and item counts over an evaluation set; `value()` divides once."""
+
+    def __init__(self):
+        self.head: LossHead | None = None
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def add(self, head: LossHead, row_sums: torch.Tensor, row_counts: torch.Tensor) -> None:
+        """Add the rows of one batch (already gathered from all ranks, duplicates dropped)."""
+        self.head = head
+        sums, counts = row_sums.detach().double().sum(0), row_counts.detach().sum(0)
+        if self.sums is None:
+            self.sums, self.counts = sums, counts
+        else:
+            self.sums, self.counts = self.sums + sums.to(self.sums.device), self.counts + counts.to(self.counts.device)
+
+    def value(self) -> float | None:
+        if self.sums is None:
+            return None
+        return self.head.combine(self.sums, self.counts).item()
+
+
+def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | None:
+    """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
+    main = batch.get(main_input_name, batch.get("attention_mask"))
+    return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
+
+
+class ExactLoss:
+    """
+    The exact loss of one Trainer: head choice, step counts, the loss, evaluation totals.
+
+    Args:
+        enabled (`bool`, *optional*, defaults to `True`): `TrainingArguments.exact_loss`.
+        label_names (`list[str]`, *optional*): the Trainer's label names.
+        label_smoothing (`float`, *optional*, defaults to 0): `TrainingArguments.label_smoothing_factor`.
+        num_processes (`int`, *optional*, defaults to 1): DDP ranks; the loss is scaled by it.
+        reduce_sum (`Callable`, *optional*): sums a tensor over ranks (needed when `num_processes > 1`).
+        gather_rows (`Callable`, *optional*): gathers per-row tensors from all ranks for evaluation, dropping the
+            rows a distributed sampler duplicated (accelerate's `gather_for_metrics`); identity when not given.
+        unwrap (`Callable`, *optional*): takes a model out of its wrappers before its head is resolved; run only
+            when the head of that model is not cached yet.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        label_names: list[str] | None = None,
+        label_smoothing: float = 0.0,
+        num_processes: int = 1,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        gather_rows: Callable[[Any], Any] | None = None,
+        unwrap: Callable[[nn.Module], nn.Module] | None = None,
+    ):
+        if num_processes > 1 and reduce_sum is None:
+            raise ValueError(f"ExactLoss over {num_processes} processes needs reduce_sum to count the whole step.")
+        self.enabled = enabled
+        self.label_names = label_names
+        self.label_smoothing = label_smoothing
+        self.num_processes = num_processes
+        self.reduce_sum = reduce_sum
+        self.gather_rows = gather_rows or (lambda rows: rows)
+        self.unwrap = unwrap or (lambda model: model)
+        self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
+        self._warned: set[str] = set()
+        self._eval_totals: EvalTotals | None = None
+
+    # ---- Which head, or the stock loss ----
+    def head(
+        self,
+        model: nn.Module,
+        batch: dict | None = None,
+        *,
+        blocked: str | None = None,
+        loss_func: Callable | None = None,
+        loss_func_shifts: bool = False,
+    ) -> LossHead | None:
+        """
+        The head to compute exactly for `model`, or None for the stock loss (warned once per reason).
+
+        Args:
+            model (`nn.Module`): the model (unwrapped with `unwrap` on a cache miss).
+            batch (`dict`, *optional*): a batch, whose labels settle a classifier's problem type.
+            blocked (`str`, *optional*): why the caller cannot use the exact loss at all (e.g. an overridden
+                `compute_loss`); falls back with that reason.
+            loss_func (`Callable`, *optional*): the Trainer's `compute_loss_func`: on a model without a known head
+                only its item count is needed, which is the stock one.
+            loss_func_shifts (`bool`, *optional*): whether that count is of shifted labels.
+        """
+        if not self.enabled:
+            return None
+        # Called twice a micro-batch: keyed on what can change (the model, e.g. under model_init; a classifier's
+        # problem_type, settled by the first labels).
+        config = getattr(model, "config", None)
+        key = (id(model), getattr(config, "problem_type", None), loss_func is not None, blocked)
+        cached = self._heads.get(key)
+        if cached is not None and cached[0] is model:  # the model itself, not a later one reusing its id
+            return cached[1]
+        try:
+            head = self._resolve(self.unwrap(model), batch, blocked, loss_func, loss_func_shifts)
+        except ProblemTypeUnsettled:
+            if batch is None:
+                return None  # settled at the first batch, which carries the labels
+            raise
+        except UnsupportedHead as reason:
+            self.warn_fallback(str(reason))
+            head = None
+        self._heads[(id(model), getattr(config, "problem_type", None), key[2], blocked)] = (model, head)
+        return head
+
+    def _resolve(self, model, batch, blocked, loss_func, loss_func_shifts) -> LossHead:
+        if blocked is not None:
+            raise UnsupportedHead(blocked)
+        sample_labels = batch.get("labels") if batch is not None else None
+        try:
+            return resolve_head(model, self.label_names, self.label_smoothing, sample_labels)
+        except UnsupportedHead:
+            if loss_func is None or self.label_names != ["labels"]:
+                raise
+            # A user loss on a model we do not know: we only need its item count, which is the stock one.
+            return CrossEntropyHead(name="compute_loss_func", shift=loss_func_shifts)
+
+    def warn_fallback(self, reason: str) -> None:
+        """Warn once per reason that the stock loss is used."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(f"exact_loss: {reason} This model trains with the stock transformers loss instead.")
+
+    def usable(self, head: LossHead | None, batches: list[dict]) -> bool:
+        """Whether `head` applies to every batch; warns once when a batch lacks its labels."""
+        if head is None:
+            return False
+        if all(head.has_labels(batch) for batch in batches):
+            return True
+        self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
+        return False
+
+    # ---- Training: count the step, then each micro-batch's S / C ----
+    def count_step(
+        self, head: LossHead, batches: list[dict], device: torch.device | None = None, main_input_name="input_ids"
+    ) -> StepCounts:
+        """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
+        counts = sum(head.count(batch, sequence_length(batch, main_input_name)).to(device) for batch in batches)
+        if self.num_processes == 1:
+            return StepCounts(counts, 1)
+        # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
+        # scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
+        return StepCounts(self.reduce_sum(counts), self.num_processes)
+
+    def split_labels(self, head: LossHead, inputs: dict, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A copy of `inputs` without the labels, and the labels; decoder inputs built when the model needs them."""
+        inputs = dict(inputs)  # the caller's dict keeps its labels
+        labels = head.pop_labels(inputs)
+        if head.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            # The model builds decoder inputs from the labels it no longer receives.
+            inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels["labels"])
+        return inputs, labels
+
+    def loss(
+        self,
+        head: LossHead,
+        outputs,
+        labels: dict[str, torch.Tensor],
+        step: StepCounts | None,
+        inputs: dict,
+        *,
+        loss_func: Callable | None = None,
+        main_input_name: str = "input_ids",
+    ) -> torch.Tensor:
+        """
+        The loss of one micro-batch: S / C of the step in training (`step` given), S / C of the batch otherwise
+        (evaluation, where S and C are also added to the totals).
+        """
+        if loss_func is not None:
+            seq_len = sequence_length(inputs, main_input_name)
+            total = step.total() if step is not None else head.count(labels, seq_len).sum()
+            return loss_func(outputs, labels["labels"], num_items_in_batch=total) * (step.scale if step else 1)
+        row_sums, row_counts = head.row_terms(outputs, labels)
+        if step is not None:
+            return head.combine(row_sums.sum(0), step.counts) * step.scale
+        if self._eval_totals is not None:
+            # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
+            self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
+        return head.combine(row_sums.sum(0), row_counts.sum(0))
+
+    # ---- Evaluation: sum of S / sum of C over the whole set ----
+    def start_evaluation(self) -> None:
+        """Start adding up S and C of every evaluation batch."""
+        self._eval_totals = EvalTotals() if self.enabled else None
+
+    def finish_evaluation(self) -> float | None:
+        """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
+        totals, self._eval_totals = self._eval_totals, None
+        return totals.value() if totals is not None else None
