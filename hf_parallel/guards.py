@@ -184,3 +184,31 @@ def check_launch(args) -> None:
     check_world_size(args)
     check_visible_devices()
     check_data_parallel(args)
+
+
+def check_not_empty(dataset, name: str) -> None:
+    """
+    Raise when `dataset` has a length and it is 0: stock then trains 0 steps with a message about IterableDatasets,
+    or evaluates into metrics without a loss, and neither says that the data is empty. Datasets without a length
+    (iterable ones) cannot be checked before they run.
+
+    Args:
+        dataset (`Any`):
+            The dataset, or None (nothing to check: the stock Trainer reports a missing dataset itself).
+        name (`str`):
+            How the user passed it (`"train_dataset"`, `"eval_dataset"`, ...), for the message.
+
+    ```python
+    from hf_parallel.guards import check_not_empty
+
+    check_not_empty([], "train_dataset")  # ValueError: train_dataset is empty ...
+    ```
+    """
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{name} is empty (a {type(dataset).__name__} of length 0): there is nothing to "
+            f"{'train on' if name.startswith('train') else 'evaluate'}. Check the file, split or filter that built "
+            "it (e.g. a `.filter(...)` or `max_*_samples` that removed every row)."
+        )

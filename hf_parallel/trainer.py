@@ -16,7 +16,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import BalancedDataParallel
 from .exact import ExactLoss, LossHead, StepCounts
-from .guards import check_launch
+from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
 from .training_args import TrainingArguments
 from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
@@ -143,6 +143,7 @@ class Trainer(transformers.Trainer):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ):
+        check_not_empty(dataloader.dataset, _dataset_name(description, metric_key_prefix))
         self.exact.start_evaluation()
         try:
             output = super().evaluation_loop(
@@ -209,6 +210,7 @@ class Trainer(transformers.Trainer):
         trial=None,
         ignore_keys_for_eval: list[str] | None = None,
     ):
+        check_not_empty(self.train_dataset, "train_dataset")
         self._undo_evaluation_only_prepare()
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
@@ -216,8 +218,8 @@ class Trainer(transformers.Trainer):
         """
         `evaluate()` before `train()` under DDP prepares the bare model in evaluation mode, which marks it as prepared;
         `train()` then asks accelerate to prepare it again, which returns it unwrapped: ranks train without DDP and
-        drift apart silently. Unmark it so that training wraps it. Remove when transformers wraps it (see the test
-        `test_evaluate_before_train_still_wraps_ddp`, which fails loudly once stock behaves).
+        drift apart silently. Unmark it so that training wraps it. Remove when transformers wraps it: the stock
+        control `tests/test_exact_loss.py::test_control_stock_ddp` asserts the trap and fails once stock behaves.
         """
         model = self.model
         if (
@@ -266,3 +268,11 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)
+
+
+def _dataset_name(description: str, metric_key_prefix: str) -> str:
+    """How the user passed an evaluation loop's dataset: eval_dataset (a dict entry by its key) or test_dataset."""
+    name = "eval_dataset" if description == "Evaluation" else "test_dataset"
+    if metric_key_prefix not in ("eval", "test"):
+        name += f"[{metric_key_prefix.removeprefix('eval_')!r}]"
+    return name

@@ -14,7 +14,7 @@ from hf_parallel import Trainer, TrainingArguments, guards, launch_env
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES
 from hf_parallel.testing import simulated_training_args
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 
 @pytest.fixture
@@ -224,3 +224,36 @@ def test_visible_devices_guard_on_a_real_gpu(monkeypatch, guard_log):
     assert torch.cuda.device_count() == before
     guards.check_visible_devices()
     assert "has no effect" in guard_log.records[0].getMessage()
+
+
+# ---- Empty data: a clear error before the loop, where stock runs 0 steps or reports no loss ----
+
+
+def _empty_data_trainer(trainer_cls, args_cls, tmp_path, train_rows: int, eval_rows: int):
+    args = args_cls(output_dir=str(tmp_path), use_cpu=True, max_steps=2, report_to=[], save_strategy="no")
+    return trainer_cls(
+        model=tiny_bert_classifier(),
+        args=args,
+        train_dataset=classification_rows(train_rows) if train_rows else ListDataset([]),
+        eval_dataset={"dev": classification_rows(eval_rows) if eval_rows else ListDataset([])},
+    )
+
+
+def test_empty_training_data_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(a ListDataset of length 0\)"):
+        _empty_data_trainer(Trainer, TrainingArguments, tmp_path, 0, 4).train()
+
+
+def test_empty_evaluation_data_is_a_clear_error(tmp_path):
+    trainer = _empty_data_trainer(Trainer, TrainingArguments, tmp_path, 4, 0)
+    with pytest.raises(ValueError, match=r"eval_dataset\['dev'\] is empty"):
+        trainer.evaluate()
+    with pytest.raises(ValueError, match=r"test_dataset is empty"):
+        trainer.predict(ListDataset([]))
+
+
+def test_stock_says_nothing_useful_on_empty_data(tmp_path):
+    # The control: stock evaluates an empty set into metrics without a loss.
+    trainer = _empty_data_trainer(transformers.Trainer, transformers.TrainingArguments, tmp_path, 4, 0)
+    metrics = trainer.evaluate()
+    assert "eval_dev_loss" not in metrics
