@@ -2,9 +2,9 @@
 Stock `nn.DataParallel` against `BalancedDataParallel` at several `gpu0_bsz`, on a GPU machine: peak memory per GPU,
 samples per second, and the largest batch that fits (GPU 0 being the limit), printed with ratios against stock.
 
-    python benchmarks/balance_gpu.py                                   # all visible GPUs, defaults below
-    python benchmarks/balance_gpu.py --batch_size 96 --gpu0_bsz 8 16 24 --budget_gib 24
-    python benchmarks/balance_gpu.py --dry_run 3                       # no GPU: the same flow on 3 simulated devices
+    python -m benchmarks.balance_gpu                                   # all visible GPUs, defaults below
+    python -m benchmarks.balance_gpu --batch_size 96 --gpu0_bsz 8 16 24 --budget_gib 24
+    python -m benchmarks.balance_gpu --dry_run 3                       # no GPU: the same flow on 3 simulated devices
 
 Exit codes: 0 after printing the figures; 2 without a CUDA GPU (nothing is measured; the message says so and points
 to `--dry_run`). With one GPU, DataParallel runs over `device_ids=[0, 0]`: two replicas on the one GPU, the real
@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 
 import torch
+from transformers import BertConfig, BertForSequenceClassification
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
-
-from hf_parallel import BalancedDataParallel, balanced_chunk_sizes  # noqa: E402
-from hf_parallel.data_parallel import torch_chunk_sizes  # noqa: E402
+from hf_parallel import BalancedDataParallel, balanced_chunk_sizes
+from hf_parallel.data_parallel import torch_chunk_sizes
 
 NO_GPU_EXIT = 2
 

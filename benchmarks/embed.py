@@ -1,12 +1,14 @@
 """Sequences per second of `hf_parallel.embed_dataset`: 1 process vs 2-rank DDP on CPU, vs a plain loop.
 
-    python benchmarks/embed.py                      # defaults: 512 chunks of 64 bases, batch 32, 3 repeats
-    python benchmarks/embed.py --num_sequences 2048 --hidden_size 256 --repeats 5
-    python benchmarks/embed.py --threads 1          # 1 process on 1 thread; each DDP rank gets 1 thread anyway
+Run from the repository root:
+
+    python -m benchmarks.embed                      # defaults: 512 chunks of 64 bases, batch 32, 3 repeats
+    python -m benchmarks.embed --num_sequences 2048 --hidden_size 256 --repeats 5
+    python -m benchmarks.embed --threads 1          # 1 process on 1 thread; each DDP rank gets 1 thread anyway
 
 Three timings of the same job (a tiny BERT masked LM built from a config, random DNA chunks, mean pooling):
 
-- `loop`: the source document's loop, fixed: `for batch in loader`, the full masked LM forward with
+- `loop`: a plain single-process loop: `for batch in loader`, the full masked LM forward with
   `output_hidden_states=True`, per-row masked mean, results kept in a list. No file, no gathering.
 - `embed 1 proc`: `embed_dataset` in this process, writing a .npy.
 - `embed DDP x2`: `embed_dataset` on 2 ranks (gloo, `hf_parallel.testing.spawn_cpu_ranks`), rank 0 writing the .npy.
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from examples.embed import char_tokenizer  # noqa: E402
-from hf_parallel import embed_dataset  # noqa: E402
-from hf_parallel.testing import spawn_cpu_ranks  # noqa: E402
+from examples.embed import char_tokenizer
+from hf_parallel import embed_dataset
+from hf_parallel.testing import spawn_cpu_ranks
 
 
 def build(args):

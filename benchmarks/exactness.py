@@ -3,8 +3,8 @@ How far stock `transformers.Trainer` is from the exact loss, and how far `hf_par
 (the table of DESIGN.md), measured in one run on CPU: DataParallel through the CPU simulation, DDP with 2 real
 gloo ranks.
 
-    python benchmarks/exactness.py 2>/dev/null   # all cases, DDP included (about a minute on 2 cores)
-    python benchmarks/exactness.py --no-ddp
+    python -m benchmarks.exactness 2>/dev/null   # all cases, DDP included (about a minute on 2 cores)
+    python -m benchmarks.exactness --no-ddp
 
 For each case: the logged loss and the gradient norm of one optimizer step, divided by those of one process on the
 whole step (the reference), for stock and for hf_parallel; `eval_loss` likewise.
@@ -15,17 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 import warnings
 
 import torch
+import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import transformers  # noqa: E402
-
-from tests.equivalence import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp  # noqa: E402
+from tests.equivalence import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp
 
 DDP2 = Topology("DDP 2 ranks", per_device=TRAIN_ROWS // 2, processes=2)
 # (label, case, topology, training rows, extra TrainingArguments)
@@ -40,8 +36,11 @@ IN_PROCESS = [
 ]
 DDP = [
     ("BERT cls, DDP 2 ranks", "bert_single_label", {"evaluate_first": False}),
-    ("Llama LM, DDP 2, averaging off", "llama_causal_lm",
-     {"average_tokens_across_devices": False, "evaluate_first": False}),
+    (
+        "Llama LM, DDP 2, averaging off",
+        "llama_causal_lm",
+        {"average_tokens_across_devices": False, "evaluate_first": False},
+    ),
     ("BERT cls, DDP 2, evaluate() before train()", "bert_single_label", {}),
 ]
 

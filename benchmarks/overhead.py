@@ -2,8 +2,8 @@
 Overhead of the exact loss: step time and peak memory of `hf_parallel.Trainer` against stock
 `transformers.Trainer` on the same workload, measured in one run, interleaved, and printed as median ratios.
 
-    python benchmarks/overhead.py                 # single process and 2-rank DDP (gloo, CPU)
-    python benchmarks/overhead.py --no-ddp --steps 30 --rounds 5
+    python -m benchmarks.overhead                 # single process and 2-rank DDP (gloo, CPU)
+    python -m benchmarks.overhead --no-ddp --steps 30 --rounds 5
 
 Workloads: a BERT sequence classifier and a small GPT-2 causal LM, built from configs (nothing downloaded).
 Step time: the median over all timed optimizer steps (the first steps of each run are warm-up). Peak memory: on a
@@ -26,13 +26,10 @@ import time
 import warnings
 
 import torch
+import transformers
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import transformers  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-from hf_parallel import Trainer, TrainingArguments  # noqa: E402
+from hf_parallel import Trainer, TrainingArguments
 
 # Big enough that the loss's tensors (the LM's logits: 8 x 128 x 8000 floats, 33 MB) show in peak memory.
 SEQ = 128
@@ -41,8 +38,13 @@ VOCAB = 8000
 
 def classifier():
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-        max_position_embeddings=SEQ, num_labels=4,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=SEQ,
+        num_labels=4,
     )
     return BertForSequenceClassification(config)
 
@@ -116,9 +118,17 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
         trainer_cls, args_cls = Trainer, TrainingArguments
     with tempfile.TemporaryDirectory() as tmp:
         args = args_cls(
-            output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + warmup, learning_rate=1e-4,
-            logging_steps=10_000, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-            use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+            output_dir=tmp,
+            per_device_train_batch_size=batch,
+            max_steps=steps + warmup,
+            learning_rate=1e-4,
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0,
         )
         rows = Rows(batch * (steps + warmup) * 2, lm)
         trainer = trainer_cls(model=model, args=args, train_dataset=rows, callbacks=[timer])
@@ -202,7 +212,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "memory.pt")
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-            command = [sys.executable, os.path.abspath(__file__), "--memory-out", out, "--rounds", str(options.rounds)]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.overhead",
+                "--memory-out",
+                out,
+                "--rounds",
+                str(options.rounds),
+            ]
             subprocess.run(command + (["--no-ddp"] if options.no_ddp else []), env=env, check=True)
             memory = torch.load(out, weights_only=False)
     report("single process", timed["single"], memory["single"])

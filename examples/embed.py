@@ -1,10 +1,11 @@
 """Embed DNA reads with a masked LM: one mean-pooled vector per chunk, in file order, on one or several processes.
 
 Reads a FASTQ (plain or gzipped), a FASTA or a text file of sequences (one per line), cuts the sequences into
-fixed-size chunks as the second source document does, tokenizes, embeds with `hf_parallel.embed_dataset` and writes
-`(num_chunks, hidden)` to a .safetensors (tensor "embeddings") or .npy file. With no arguments it embeds the shipped
-`examples/data/reads.fastq` (200 reads) with a tiny masked LM built from a config and a character-level tokenizer
-built locally (nothing is downloaded; the weights are random, so the vectors only show the pipeline works).
+fixed-size chunks (12,282 bases fill a 2,048-token nucleotide transformer), tokenizes, embeds with
+`hf_parallel.embed_dataset` and writes `(num_chunks, hidden)` to a .safetensors (tensor "embeddings") or .npy file.
+With no arguments it embeds the shipped `examples/data/reads.fastq` (200 reads) with a tiny masked LM built from a
+config and a character-level tokenizer built locally (nothing is downloaded; the weights are random, so the vectors
+only show the pipeline works).
 
 One process (CPU, or one GPU; several GPUs without a launcher use DataParallel):
 
@@ -172,9 +173,9 @@ def chunk_sequences(sequences: Iterable[str], chunk_size: int, per_read: bool = 
     """
     Cut sequences into pieces of `chunk_size` characters, the last one shorter.
 
-    The source document's rule (the default): the reads are concatenated in file order and the whole stream is cut,
-    so a chunk may span two reads. (Its two levels, 982,560 then 12,282 characters, are one cut at 12,282, since
-    982,560 = 80 x 12,282; 12,282 bases are 2,047 6-mer tokens plus [CLS] for the nucleotide transformer's 2,048.)
+    By default the reads are concatenated in file order and the whole stream is cut, so a chunk may span two reads
+    (cutting first at a multiple of `chunk_size`, e.g. 982,560 = 80 x 12,282, and then at `chunk_size` gives the
+    same chunks; 12,282 bases are 2,047 6-mer tokens plus [CLS] for the nucleotide transformer's 2,048).
     `per_read=True` cuts each read on its own instead, so no chunk mixes two reads.
     """
     if chunk_size < 1:
@@ -223,7 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", nargs="?", default=str(DEFAULT_READS), help="FASTQ/FASTA/text file, plain or .gz.")
     parser.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="Input format (auto: by name).")
-    parser.add_argument("--chunk_size", type=int, default=64, help="Characters per chunk (the source: 12282).")
+    parser.add_argument(
+        "--chunk_size", type=int, default=64, help="Characters per chunk (12282 fills a 2048-token NT)."
+    )
     parser.add_argument("--per_read", action="store_true", help="Chunk each read alone (default: concatenated).")
     parser.add_argument("--model_name_or_path", default=None, help="A masked LM (hub id or folder); default: tiny.")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own code (e.g. NT v2).")
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         max_length = args.max_length or args.chunk_size + 2  # the chunk plus [CLS] and [SEP]
         model = tiny_masked_lm(tokenizer, max_length, args.seed)
 
-    # Tokenize without padding: each batch is padded to its own longest row (the source pads every row to 2,048).
+    # Tokenize without padding: each batch is padded to its own longest row, not every row to the model's maximum.
     encoded = tokenizer(chunks, truncation=True, max_length=max_length)
     dataset = [{key: encoded[key][i] for key in encoded} for i in range(len(chunks))]
 

@@ -1,12 +1,14 @@
-"""Batch inference: per-sequence pooling, dataset order, one row per input, 1 process == 2-rank DDP, the example."""
+"""Batch inference: per-sequence pooling, dataset order, one row per input, 1 process == 2-rank DDP, a failing rank,
+the example."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,13 +24,13 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from torch.utils.data.distributed import DistributedSampler
 
-from hf_parallel import SequenceEmbedder, embed_dataset, inference, pool_hidden_states, shard_batches
+from examples import embed as embed_example
+from examples.data import make_reads
+from hf_parallel import SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+from hf_parallel.inference import embed as embed_module
 from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("embed_example", ROOT / "examples" / "embed.py")
-embed_example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(embed_example)
 
 ATOL = 1e-5
 # (rows, batch size per process, pooling, padding side): sizes not divisible by 2 ranks nor by the batch, and one
@@ -102,17 +104,17 @@ def test_pooling_equals_hand_computation_right_and_left_padding():
     torch.testing.assert_close(pool_hidden_states(states, None, "mean"), states.mean(1), atol=1e-6, rtol=0)
 
 
-def test_source_document_mean_is_one_vector_per_batch():
-    """The control: the source's reshape-then-sum gives one vector for the whole batch, not one per row."""
+def test_flattened_batch_mean_is_one_vector_per_batch():
+    """The control: reshaping the batch to (batch * tokens, hidden) before the sum gives one vector per batch."""
     states, mask = _padded_batch()
     bs, nt, ed = states.shape
     flat = states.reshape(bs * nt, ed)
     flat_mask = mask.unsqueeze(-1).reshape(bs * nt, -1)
-    source = torch.sum(flat_mask * flat, axis=-2) / torch.sum(flat_mask, axis=0)
+    flattened = torch.sum(flat_mask * flat, axis=-2) / torch.sum(flat_mask, axis=0)
     ours = pool_hidden_states(states, mask, "mean")
-    assert source.shape == (ed,) and ours.shape == (bs, ed)
+    assert flattened.shape == (ed,) and ours.shape == (bs, ed)
     for row in range(bs):
-        assert not torch.allclose(ours[row], source, atol=1e-3), row
+        assert not torch.allclose(ours[row], flattened, atol=1e-3), row
 
 
 def test_pooling_rejects_bad_input():
@@ -168,14 +170,16 @@ def test_shard_batches_covers_every_row_once_in_order(n, batch, world):
 
 
 def test_shard_batches_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="process_index=2"):
+    with pytest.raises(ValueError, match=r"process_index=2 is not a rank of 2 processes; use 0\.\.1"):
         shard_batches(10, 2, 2, 2)
-    with pytest.raises(ValueError, match="batch_size=0"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
         shard_batches(10, 0, 2, 0)
+    with pytest.raises(ValueError, match="num_rows must be a whole number >= 0, got -1"):
+        shard_batches(-1, 2, 2, 0)
 
 
 def test_distributed_sampler_duplicates_and_reorders():
-    """The control for DDP: the source's DistributedSampler gives 8 rows for 7 and interleaves them."""
+    """The control for DDP: a DistributedSampler gives 8 rows for 7 and interleaves them."""
     data = list(range(7))
     per_rank = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=False)) for r in range(2)]
     concatenated = per_rank[0] + per_rank[1]
@@ -251,6 +255,11 @@ def test_mis_launch_is_an_error(monkeypatch):
     lone = SimpleNamespace(num_processes=1, process_index=0, distributed_type=DistributedType.NO)
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2.*ACCELERATE_USE_CPU=1"):
         embed_dataset(model, dna_rows(tokenizer, 3), state=lone, tokenizer=tokenizer, progress=False)
+    # MPI launchers name the world size otherwise.
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("PMI_SIZE", "3")
+    with pytest.raises(RuntimeError, match=r"started 3 processes \(PMI_SIZE=3\)"):
+        embed_dataset(model, dna_rows(tokenizer, 3), state=lone, tokenizer=tokenizer, progress=False)
 
 
 def test_data_parallel_path_matches_one_process():
@@ -290,8 +299,8 @@ def _ddp_worker(out_dir: str):
     assert state.distributed_type == DistributedType.MULTI_CPU
     rank = state.process_index
     bars = []  # the progress bar's `disable` flag, per call: shown on rank 0 only
-    real_tqdm = inference.logging.tqdm
-    inference.logging.tqdm = lambda *args, **kwargs: bars.append(kwargs["disable"]) or real_tqdm(*args, **kwargs)
+    real_tqdm = embed_module.logging.tqdm
+    embed_module.logging.tqdm = lambda *args, **kwargs: bars.append(kwargs["disable"]) or real_tqdm(*args, **kwargs)
     for n, batch, pooling, side in DDP_CASES:
         model, tokenizer = tiny_setup(side)
         rows = dna_rows(tokenizer, n)
@@ -374,8 +383,8 @@ def test_malformed_fastq_names_the_line(tmp_path, case):
     assert str(path) in str(info.value)
 
 
-def _source_chunks(fastq_text: str, outer: int, inner: int) -> list[str]:
-    """The source document's read_in_chunks + get_chuncks, verbatim in logic, as the oracle."""
+def _two_level_chunks(fastq_text: str, outer: int, inner: int) -> list[str]:
+    """A two-level chunker (fixed-size pieces of the concatenated reads, each cut again), as the oracle."""
     import io
 
     def read_in_chunks(file_object, chunk_size):
@@ -401,22 +410,19 @@ def _source_chunks(fastq_text: str, outer: int, inner: int) -> list[str]:
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 12, 64, 10_000])
-def test_chunking_matches_the_source_document(tmp_path, chunk_size):
+def test_chunking_matches_two_level_chunker(tmp_path, chunk_size):
     text = (ROOT / "examples" / "data" / "reads.fastq").read_text()
     seqs = embed_example.read_sequences(ROOT / "examples" / "data" / "reads.fastq")
     ours = embed_example.chunk_sequences(seqs, chunk_size)
-    # The source cuts at 982,560 = 80 x 12,282, then at 12,282: the same as one cut at the inner size.
-    assert ours == _source_chunks(text, 80 * chunk_size, chunk_size)
+    # Cutting at 80 x the chunk size, then at the chunk size, is the same as one cut at the chunk size.
+    assert ours == _two_level_chunks(text, 80 * chunk_size, chunk_size)
     assert "".join(ours) == "".join(seqs)
     per_read = embed_example.chunk_sequences(seqs, chunk_size, per_read=True)
     assert per_read == [s[i : i + chunk_size] for s in seqs for i in range(0, len(s), chunk_size)]
 
 
 def test_shipped_reads_are_what_the_script_makes():
-    spec = importlib.util.spec_from_file_location("make_reads", ROOT / "examples" / "data" / "make_reads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert (ROOT / "examples" / "data" / "reads.fastq").read_text() == module.make_reads()
+    assert (ROOT / "examples" / "data" / "reads.fastq").read_text() == make_reads.make_reads()
     assert len(embed_example.read_sequences(ROOT / "examples" / "data" / "reads.fastq")) == 200
 
 
@@ -435,3 +441,100 @@ def test_example_real_launch_two_processes_equals_one(tmp_path):
     one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
     assert one.shape == two.shape == (101, 32)  # 200 reads, 6,438 bases, cut at 64
     np.testing.assert_allclose(two, one, atol=ATOL, rtol=0)
+
+
+# --- a rank that fails -----------------------------------------------------------------------------------------------
+
+FAILING_ROWS = 13  # 4 steps of 2 rows x 2 ranks; rank 1's batch 1 holds rows 6..7
+
+
+def _fail_at_call(module: torch.nn.Module, call: int) -> None:
+    """Make `module`'s forward raise on its `call`-th call (0-based), as a model that breaks on some input would."""
+    calls = []
+
+    def hook(*_):
+        calls.append(None)
+        if len(calls) == call + 1:
+            raise ValueError(f"injected failure at call {call}")
+
+    module.register_forward_pre_hook(hook)
+
+
+def _expect_failure(out_dir: Path, **kwargs) -> dict:
+    """Run embed_dataset expecting it to raise on this rank; what it said, how long it took and what it left."""
+    start = time.monotonic()
+    try:
+        embed_dataset(batch_size=2, progress=False, **kwargs)
+    except RuntimeError as error:
+        # The failed rank keeps its own exception (and traceback) as the cause.
+        report = {"message": str(error), "seconds": time.monotonic() - start, "cause": repr(error.__cause__)}
+    else:
+        raise AssertionError("embed_dataset returned on this rank although a rank failed")
+    dist.barrier()  # by now the main process has removed its partial file
+    report["left"] = sorted(path.name for path in out_dir.rglob("*"))
+    return report
+
+
+def _failing_rank_worker(out_dir: str):
+    state = PartialState(cpu=True)
+    assert state.num_processes == 2 and dist.get_world_size() == 2
+    assert state.distributed_type == DistributedType.MULTI_CPU
+    rank, out = state.process_index, Path(out_dir) / "embeddings"  # the reports go beside it, not inside
+    out.mkdir(exist_ok=True)
+    model, tokenizer = tiny_setup()
+    rows = dna_rows(tokenizer, FAILING_ROWS)
+    common = dict(model=model, dataset=rows, tokenizer=tokenizer)
+    reports, partial_seen = {}, []
+    if rank == 0:
+        (out / "blocker").write_text("a file, not a folder")  # for the writer's failure below
+        # Rank 0's second batch runs after it wrote step 0: the partial file it must remove exists by then.
+        partial = out / "forward.safetensors.partial"
+        model.bert.encoder.register_forward_pre_hook(lambda *_: partial_seen.append(partial.exists()))
+    else:
+        # Rank 1's model raises in its second batch (step 1, rows 6..7).
+        _fail_at_call(model.bert.encoder, 1)
+    reports["forward"] = _expect_failure(out, output_file=out / "forward.safetensors", **common)
+    assert partial_seen == ([False, True] if rank == 0 else []), partial_seen
+    model, tokenizer = tiny_setup()
+    common["model"] = model
+    # Rank 0's writer fails (the output folder is a regular file); rank 1 learns it at the next step.
+    reports["writer"] = _expect_failure(out, output_file=out / "blocker" / "e.npy", **common)
+    # Both ranks fail in the same step: each names both.
+    _fail_at_call(model.bert.encoder, 0)
+    reports["both"] = _expect_failure(out, output_file=out / "both.npy", **common)
+    for report in reports.values():
+        assert report["seconds"] < 30, report
+        assert report["left"] == ["blocker"], report  # no output file, partial or final
+    (out.parent / f"rank{rank}.json").write_text(json.dumps(reports))
+    # The group is still usable: a good run after the failures embeds every row.
+    model, tokenizer = tiny_setup()
+    result = embed_dataset(model, rows, batch_size=2, tokenizer=tokenizer, output_file=out / "ok.npy", progress=False)
+    assert (result.shape == (FAILING_ROWS, 32)) if rank == 0 else result is None
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_failing_rank_reaches_every_rank_within_seconds(tmp_path):
+    start = time.monotonic()
+    # Well under the default 300 s: a rank left waiting in a collective would run into this, not pass late.
+    spawn_cpu_ranks(_failing_rank_worker, (str(tmp_path),), 2, timeout=90)
+    assert time.monotonic() - start < 120
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    forward = (
+        "embed_dataset failed on rank 1: ValueError: In the batch of dataset rows 6..7: injected failure at call 1"
+    )
+    blocker = str(tmp_path / "embeddings" / "blocker")
+    writer = f"embed_dataset failed on rank 0: FileExistsError: [Errno 17] File exists: {blocker!r}"
+    both = (
+        "embed_dataset failed on rank 0: ValueError: In the batch of dataset rows 0..1: injected failure at call 0; "
+        "rank 1: ValueError: In the batch of dataset rows 2..3: injected failure at call 0"
+    )
+    assert [report["forward"]["cause"] for report in reports] == [
+        "None",
+        "ValueError('In the batch of dataset rows 6..7: injected failure at call 1')",
+    ]
+    for rank, report in enumerate(reports):
+        assert report["forward"]["message"] == forward, rank
+        assert report["writer"]["message"] == writer, rank
+        assert report["both"]["message"] == both, rank
+    assert np.load(tmp_path / "embeddings" / "ok.npy").shape == (FAILING_ROWS, 32)
