@@ -1,13 +1,15 @@
 """
 How far stock `transformers.Trainer` is from the exact loss, and how far `hf_parallel.Trainer` is, case by case
-(the table of DESIGN.md), measured in one run on CPU: DataParallel through the CPU simulation, DDP with 2 real
-gloo ranks.
+(the cases of the README's exact-loss section), measured in one run on CPU: DataParallel through the CPU
+simulation, DDP with 2 real gloo ranks.
 
     python -m benchmarks.exactness 2>/dev/null   # all cases, DDP included (about a minute on 2 cores)
     python -m benchmarks.exactness --no-ddp
 
 For each case: the logged loss and the gradient norm of one optimizer step, divided by those of one process on the
-whole step (the reference), for stock and for hf_parallel; `eval_loss` likewise.
+whole step (the reference), for stock and for hf_parallel; `eval_loss` likewise. Then the epoch remainder under
+DDP: a 2-step epoch whose last step has fewer rows than the global batch, against one device on the same rows
+(the last step's logged loss as a ratio, and the parameters after the epoch, off by what fraction of the update).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import warnings
 import torch
 import transformers
 
-from tests.equivalence import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp
+from tests.equivalence import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
+from tests.heads import CASES
 
 DDP2 = Topology("DDP 2 ranks", per_device=TRAIN_ROWS // 2, processes=2)
 # (label, case, topology, training rows, extra TrainingArguments)
@@ -43,6 +46,40 @@ DDP = [
     ),
     ("BERT cls, DDP 2, evaluate() before train()", "bert_single_label", {}),
 ]
+
+
+EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}
+EPOCH_CASES = [
+    # label, case, rows, per-device batch, gradient accumulation
+    ("BERT cls, 10 rows, 2 ranks x 4", "bert_single_label", 10, 4, 1),
+    ("BERT cls, 10 rows, 2 ranks x 2 x GA 2", "bert_single_label", 10, 2, 2),
+    ("Llama LM, 10 rows, 2 ranks x 4", "llama_causal_lm", 10, 4, 1),
+    ("BERT cls, 9 rows, 2 ranks x 4", "bert_single_label", 9, 4, 1),
+]
+
+
+def update_error(result: dict, reference: dict, initial: dict) -> float:
+    update = max((reference[n] - initial[n]).abs().max().item() for n in initial)
+    return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
+
+
+def epoch_remainder() -> None:
+    runs = {}
+    for label, case, rows, per_device, accumulation in EPOCH_CASES:
+        topology = Topology("DDP 2", per_device, accumulation, processes=2)
+        for stock in (True, False):
+            runs[(label, stock)] = (case, topology, stock, {"train_rows": rows, **EPOCH})
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ddp_runs(runs, tmp)
+    title = "epoch remainder (vs one device on the same rows)"
+    print(f"\n{title:<42} last-step loss  stock   exact | params off  stock   exact")
+    for label, case, rows, _, _ in EPOCH_CASES:
+        reference = run_case(case, Topology("one device", per_device=8), train_rows=rows, **EPOCH)
+        initial = {n: p.detach() for n, p in CASES[case].build(0).named_parameters()}
+        stock, ours = results[(label, True)], results[(label, False)]
+        last = [r["losses"][-1] / reference["losses"][-1] for r in (stock, ours)]
+        off = [update_error(r["params"], reference["params"], initial) for r in (stock, ours)]
+        print(f"{label:<42} last-step loss {last[0]:7.3f} {last[1]:7.4f} | params off {off[0]:7.3f} {off[1]:7.1e}")
 
 
 def grad_norm(result: dict) -> float:
@@ -88,6 +125,7 @@ def main() -> None:
                 f"{'':<42} stock trains in {stock['wrapped']} (ranks {stock['max_rank_param_diff']:.1e} apart), "
                 f"hf_parallel in {ours['wrapped']} ({ours['max_rank_param_diff']:.1e} apart)"
             )
+        epoch_remainder()
 
 
 if __name__ == "__main__":

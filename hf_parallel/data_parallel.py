@@ -9,246 +9,38 @@ other GPUs sit partly empty. `BalancedDataParallel` gives GPU 0 fewer rows (`gpu
 The public versions of this class (transformer-xl's and its copies) use `unit = (bsz - gpu0_bsz) // (n - 1)` and
 break on ordinary inputs: one device (`ZeroDivisionError`), `model(**batch)` (`IndexError`), a 0-dim tensor or the
 Trainer's `[n_gpu, 1]` `num_items_in_batch` (`quit()`), and they give GPU 0 *more* than `gpu0_bsz` in some cases,
-e.g. 10 rows, 3 GPUs, `gpu0_bsz=3` -> `[4, 4, 2]`. The rule here is in `balanced_chunk_sizes`.
+e.g. 10 rows, 3 GPUs, `gpu0_bsz=3` -> `[4, 4, 2]`. The rule here is `balanced_chunk_sizes` (`hf_parallel.chunking`).
+
+`balanced_wrapper` holds the Trainer's decision of when to wrap a model in `BalancedDataParallel`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from fractions import Fraction
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import parallel_apply
-from torch.nn.parallel._functions import Scatter
+from transformers.training_args import ParallelMode
+from transformers.utils import is_sagemaker_mp_enabled, logging
 
-__all__ = ["BalancedDataParallel", "balanced_chunk_sizes", "suggest_gpu0_bsz", "torch_chunk_sizes"]
+from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
+from .scatter import batch_rows, scatter_inputs
+from .transport import CudaTransport, TransportDataParallel
 
+__all__ = [
+    "BalancedDataParallel",
+    "balanced_chunk_sizes",
+    "balanced_wrapper",
+    "check_split_options",
+    "suggest_gpu0_bsz",
+    "torch_chunk_sizes",
+]
 
-def _check_split_options(gpu0_bsz: int | None, gpu0_weight: float | None) -> None:
-    if gpu0_bsz is not None and gpu0_weight is not None:
-        raise ValueError(
-            f"Set at most one of gpu0_bsz ({gpu0_bsz}) and gpu0_weight ({gpu0_weight}): gpu0_bsz fixes GPU 0's "
-            "rows, gpu0_weight its share relative to each other GPU."
-        )
-    if gpu0_bsz is not None:
-        if isinstance(gpu0_bsz, bool) or not isinstance(gpu0_bsz, int):
-            raise ValueError(f"gpu0_bsz must be a whole number of rows, got {gpu0_bsz!r}.")
-        if gpu0_bsz < 0:
-            raise ValueError(f"gpu0_bsz must be >= 0 (0 keeps GPU 0 for gathering only), got {gpu0_bsz}.")
-    if gpu0_weight is not None:
-        if isinstance(gpu0_weight, bool) or not isinstance(gpu0_weight, (int, float)):
-            raise ValueError(f"gpu0_weight must be a number in [0, 1], got {gpu0_weight!r}.")
-        if not math.isfinite(gpu0_weight) or not 0 <= gpu0_weight <= 1:
-            raise ValueError(
-                "gpu0_weight must be a finite number in [0, 1] (GPU 0's share relative to each other GPU; 1 is an "
-                f"even split), got {gpu0_weight}."
-            )
+logger = logging.get_logger(__name__)
 
 
-def balanced_chunk_sizes(
-    batch_size: int, num_devices: int, gpu0_bsz: int | None = None, gpu0_weight: float | None = None
-) -> list[int]:
-    """
-    Rows of a batch given to each device, GPU 0 first, when GPU 0 should get fewer rows than the others.
-
-    GPU 0 gets `min(gpu0_bsz, floor(batch_size * w / (w + num_devices - 1)), batch_size // num_devices)` rows (the
-    terms for the options not set are left out), so never more than `gpu0_bsz` and never more than its even share.
-    The other devices share the rest and differ by at most one row, the extra rows going to the lower indices. The
-    sizes sum to `batch_size` and none is negative. One device takes the whole batch whatever the options. Without
-    either option the split is even (GPU 0 gets `batch_size // num_devices`).
-
-    `gpu0_bsz` above GPU 0's even share is not an error here: the last batch of an epoch is often smaller than the
-    others, and GPU 0 then simply gets its even share of it.
-
-    Args:
-        batch_size (`int`):
-            Rows in the batch (>= 0).
-        num_devices (`int`):
-            Devices to split over (>= 1).
-        gpu0_bsz (`int`, *optional*):
-            Most rows GPU 0 may get (>= 0).
-        gpu0_weight (`float`, *optional*):
-            GPU 0's share relative to each other device's, in [0, 1]. Set at most one of the two options.
-
-    Returns:
-        `list[int]`: `num_devices` row counts, GPU 0 first.
-
-    ```python
-    from hf_parallel import balanced_chunk_sizes
-
-    balanced_chunk_sizes(52, 3, gpu0_bsz=16)  # [16, 18, 18]
-    balanced_chunk_sizes(53, 3, gpu0_bsz=16)  # [16, 19, 18]
-    balanced_chunk_sizes(10, 3, gpu0_weight=0.5)  # [2, 4, 4]
-    ```
-    """
-    for name, value, low in (("batch_size", batch_size, 0), ("num_devices", num_devices, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}.")
-    _check_split_options(gpu0_bsz, gpu0_weight)
-    if num_devices == 1:
-        return [batch_size]
-    gpu0 = batch_size // num_devices
-    if gpu0_bsz is not None:
-        gpu0 = min(gpu0, gpu0_bsz)
-    if gpu0_weight is not None:
-        # Exact rational arithmetic on the decimal the user wrote (repr), so 0.3 means 3/10 and a split that is
-        # exact on paper is not floored one row short by binary rounding.
-        weight = Fraction(repr(float(gpu0_weight)))
-        gpu0 = min(gpu0, math.floor(batch_size * weight / (weight + num_devices - 1)))
-    unit, extra = divmod(batch_size - gpu0, num_devices - 1)
-    return [gpu0] + [unit + 1] * extra + [unit] * (num_devices - 1 - extra)
-
-
-def torch_chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
-    """
-    Rows per device that stock `nn.DataParallel` gives a batch: `tensor.chunk` semantics, which can use fewer
-    devices than it has (6 rows on 4 devices -> `[2, 2, 2]`; 5 rows on 4 -> `[2, 2, 1]`).
-
-    Args:
-        batch_size (`int`):
-            Rows in the batch (>= 0).
-        num_devices (`int`):
-            Devices available (>= 1).
-
-    Returns:
-        `list[int]`: one row count per device that gets a chunk.
-
-    ```python
-    from hf_parallel.data_parallel import torch_chunk_sizes
-
-    torch_chunk_sizes(6, 4)  # [2, 2, 2]
-    ```
-    """
-    for name, value, low in (("batch_size", batch_size, 0), ("num_devices", num_devices, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}.")
-    if batch_size == 0:
-        # torch.empty(0).chunk(k) gives k empty chunks.
-        return [0] * num_devices
-    step = -(-batch_size // num_devices)
-    return [min(step, batch_size - start) for start in range(0, batch_size, step)]
-
-
-def suggest_gpu0_bsz(peak_memory: Sequence[float], chunk_sizes: Sequence[int], static_memory: float = 0.0) -> int:
-    """
-    The `gpu0_bsz` that evens out peak memory across GPUs, from the peaks measured under a known split.
-
-    The model: each GPU's peak is a constant part plus a per-row part that is the same on every GPU; GPU 0's
-    constant part is larger (master weights, gradients, optimizer state, gathered outputs, the loss). The per-row
-    cost is estimated on the other GPUs as `(mean peak - static_memory) / mean rows`, where `static_memory` is the
-    part of their peak that does not grow with rows (at least the replica's weights). Then GPU 0 gets the rows `g`
-    that equalise `peak_0 + cost * (g - rows_0)` and the mean of the others once they share the rest, rounded down
-    and kept within `[0, batch // n]`; the largest `g` means no `gpu0_bsz` is needed.
-
-    With `static_memory` below the true constant part (the default 0 is the extreme), the per-row cost is
-    overestimated and the suggestion moves fewer rows off GPU 0 than needed: it errs towards the current split.
-
-    Args:
-        peak_memory (`Sequence[float]`):
-            Peak memory of each GPU, GPU 0 first (bytes, or any unit used throughout).
-        chunk_sizes (`Sequence[int]`):
-            Rows each GPU had per batch when the peaks were measured (same length).
-        static_memory (`float`, *optional*, defaults to 0):
-            Memory of a GPU other than GPU 0 that does not depend on its rows, e.g. the model's parameter bytes.
-
-    Returns:
-        `int`: the suggested `gpu0_bsz` for batches of `sum(chunk_sizes)` rows.
-
-    ```python
-    from hf_parallel.data_parallel import suggest_gpu0_bsz
-
-    # 32 rows split [16, 16]: GPU 0 peaks at 20 GB, GPU 1 at 12 GB, of which 4 GB are the weights.
-    suggest_gpu0_bsz([20e9, 12e9], [16, 16], static_memory=4e9)  # 8: both would then peak at 16 GB
-    ```
-    """
-    peaks, rows = list(peak_memory), list(chunk_sizes)
-    if len(peaks) != len(rows) or len(peaks) < 2:
-        raise ValueError(
-            f"Give one peak and one row count per GPU, at least two GPUs: got {len(peaks)} peaks and {len(rows)} "
-            "row counts."
-        )
-    if any(isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0 for p in peaks):
-        raise ValueError(f"peak_memory must hold finite numbers >= 0, got {peaks}.")
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rows):
-        raise ValueError(f"chunk_sizes must hold whole numbers >= 0, got {rows}.")
-    if not math.isfinite(static_memory) or static_memory < 0:
-        raise ValueError(f"static_memory must be a finite number >= 0, got {static_memory}.")
-    n = len(peaks)
-    batch_size = sum(rows)
-    other_rows = sum(rows[1:]) / (n - 1)
-    other_peak = sum(peaks[1:]) / (n - 1)
-    if other_rows == 0:
-        raise ValueError(
-            f"The GPUs other than GPU 0 had no rows ({rows}), so the memory cost of a row cannot be measured on them."
-        )
-    per_row = (other_peak - static_memory) / other_rows
-    if per_row <= 0:
-        raise ValueError(
-            f"The other GPUs' mean peak ({other_peak:.4g}) is not above static_memory ({static_memory:.4g}), so "
-            "the memory cost of a row cannot be measured: lower static_memory."
-        )
-    best = (batch_size + (n - 1) * ((other_peak - peaks[0]) / per_row - (other_rows - rows[0]))) / n
-    # A hair of tolerance, so that an exact balance is not floored one row short by float rounding.
-    return max(0, min(batch_size // n, math.floor(best + 1e-9)))
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def _walk_tensors(obj: Any, path: str):
-    """Yield `(path, tensor)` for every tensor in `obj`, visiting containers the way torch's `scatter` does."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif _is_namedtuple(obj):
-        for field_name, value in zip(obj._fields, obj, strict=True):
-            yield from _walk_tensors(value, f"{path}.{field_name}")
-    elif isinstance(obj, (tuple, list)):
-        for i, value in enumerate(obj):
-            yield from _walk_tensors(value, f"{path}[{i}]")
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _walk_tensors(value, f"{path}[{key!r}]")
-
-
-def scatter_structure(
-    obj: Any,
-    num_chunks: int,
-    split: Callable[[torch.Tensor], Sequence[Any]],
-    copy: Callable[[Any], Sequence[Any]],
-    strict: bool = True,
-) -> list[Any]:
-    """
-    Split `obj` into `num_chunks` pieces, walking tuples, lists, dicts and namedtuples like torch's `scatter`:
-    tensors with at least one dimension go through `split`, 0-dim tensors through `copy`, anything else is shared.
-
-    Unlike torch's, every branch must by default give exactly `num_chunks` pieces (`zip(strict=True)`): a tensor
-    that splits into fewer pieces raises instead of silently dropping rows. The caller validates sizes first.
-    `strict=False` is torch's own behaviour (the shortest branch wins), which the CPU simulation reproduces.
-    """
-
-    def walk(value):
-        if isinstance(value, torch.Tensor):
-            pieces = copy(value) if value.dim() == 0 else split(value)
-            return list(pieces)
-        if _is_namedtuple(value):
-            return [type(value)(*args) for args in zip(*map(walk, value), strict=strict)]
-        if isinstance(value, tuple) and len(value) > 0:
-            return list(zip(*map(walk, value), strict=strict))
-        if isinstance(value, list) and len(value) > 0:
-            return [list(i) for i in zip(*map(walk, value), strict=strict)]
-        if isinstance(value, dict) and len(value) > 0:
-            return [type(value)(i) for i in zip(*map(walk, value.items()), strict=strict)]
-        return [value for _ in range(num_chunks)]
-
-    return walk(obj)
-
-
-class BalancedDataParallel(nn.DataParallel):
+class BalancedDataParallel(TransportDataParallel):
     """
     `nn.DataParallel` that gives GPU 0 fewer rows of each batch than the other GPUs.
 
@@ -274,27 +66,29 @@ class BalancedDataParallel(nn.DataParallel):
             CUDA devices, GPU 0 first (defaults to all).
         output_device (`int`, *optional*):
             Where outputs are gathered (defaults to `device_ids[0]`).
-        dim (`int`, *optional*, defaults to 0):
+        dim (`int`, *optional*, defaults to `0`):
             Batch dimension of the inputs.
         gpu0_bsz (`int`, *optional*):
             Most rows GPU 0 gets from each batch.
         gpu0_weight (`float`, *optional*):
             GPU 0's share relative to each other GPU's, in [0, 1]. Set at most one of the two; with neither the
             split is even (GPU 0 never gets more than another GPU).
+        transport (`CudaTransport` or an object with its methods, *optional*):
+            The device work (see `hf_parallel.transport`); defaults to a new `CudaTransport`.
 
-    The source document's form, `BalancedDataParallel(gpu0_bsz, model, dim=0)`, works too.
+    The older form `BalancedDataParallel(gpu0_bsz, model, dim=0)`, with `gpu0_bsz` first, works too.
 
     ```python
     from hf_parallel import BalancedDataParallel
 
     model = BalancedDataParallel(model.cuda(), gpu0_bsz=8)  # 8 rows on GPU 0, the rest spread over the others
     outputs = model(**batch)
-    model.save_pretrained("out")  # saves the wrapped model, without a `module.` prefix
+    model.save_pretrained(output_dir)  # saves the wrapped model, without a `module.` prefix
     ```
     """
 
     def __init__(self, *args: Any, gpu0_bsz: int | None = None, gpu0_weight: float | None = None, **kwargs: Any):
-        # The source document's form: BalancedDataParallel(gpu0_bsz, model, ...).
+        # The older form: BalancedDataParallel(gpu0_bsz, model, ...).
         if (
             args
             and not isinstance(args[0], nn.Module)
@@ -312,7 +106,7 @@ class BalancedDataParallel(nn.DataParallel):
                 f"BalancedDataParallel wraps an nn.Module, got {type(module).__name__}. Use "
                 "BalancedDataParallel(model, gpu0_bsz=...)."
             )
-        _check_split_options(gpu0_bsz, gpu0_weight)
+        check_split_options(gpu0_bsz, gpu0_weight)
         super().__init__(*args, **kwargs)
         self.gpu0_bsz = gpu0_bsz
         self.gpu0_weight = gpu0_weight
@@ -337,10 +131,17 @@ class BalancedDataParallel(nn.DataParallel):
         if len(self.device_ids) <= 1:
             return super().forward(*inputs, **kwargs)
         with torch.autograd.profiler.record_function("BalancedDataParallel.forward"):
-            self._check_module_device()
+            _check_module_device(self)
             positions, sizes = self._plan(inputs, kwargs)
             device_ids = [self.device_ids[p] for p in positions]
-            inputs, module_kwargs = self._scatter_chunks(inputs, kwargs, device_ids, sizes)
+            transport, dim = self.transport, self.dim
+            inputs, module_kwargs = scatter_inputs(
+                inputs,
+                kwargs,
+                len(device_ids),
+                split=lambda tensor: transport.split(tensor, device_ids, sizes, dim),
+                copy=lambda tensor: transport.copy(tensor, device_ids),
+            )
             if positions[0] != 0:
                 # GPU 0 gets no rows but keeps the master copy: replicate from it and drop its replica (torch's
                 # broadcast needs the source tensors on the first device of the list).
@@ -350,60 +151,12 @@ class BalancedDataParallel(nn.DataParallel):
             outputs = self.parallel_apply(replicas, inputs, module_kwargs, device_ids)
             return self.gather(outputs, self.output_device)
 
-    def parallel_apply(
-        self,
-        replicas: Sequence[nn.Module],
-        inputs: Sequence[Any],
-        kwargs: Any,
-        device_ids: Sequence[int] | None = None,
-    ) -> list[Any]:
-        # nn.DataParallel runs replica i on device_ids[i]; with skipped devices the used ids are passed explicitly.
-        if device_ids is None:
-            device_ids = self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, device_ids)
-
-    def _check_module_device(self) -> None:
-        for t in chain(self.module.parameters(), self.module.buffers()):
-            if t.device != self.src_device_obj:
-                raise RuntimeError(
-                    f"module must have its parameters and buffers on device {self.src_device_obj} "
-                    f"(device_ids[0]) but found one of them on device: {t.device}"
-                )
-
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
         """
         Validate the inputs and split the batch: `(positions, chunk_sizes)`, positions indexing `device_ids` and
         leaving out the devices that get no rows.
         """
-        tensors = chain(_walk_tensors(tuple(inputs), "inputs"), _walk_tensors(kwargs, "kwargs"))
-        batch_name, batch_size = None, None
-        for path, tensor in tensors:
-            if tensor.dim() == 0:
-                continue
-            name = _display_name(path)
-            if tensor.dim() <= self.dim:
-                raise ValueError(
-                    f"{name} has {tensor.dim()} dimension(s), so no batch dimension dim={self.dim} to split along. "
-                    "Pass it as a 0-dim tensor to copy it to every device, or give it a batch dimension."
-                )
-            rows = tensor.size(self.dim)
-            if batch_size is None:
-                batch_name, batch_size = name, rows
-            elif rows != batch_size:
-                hint = ""
-                if path.endswith("['num_items_in_batch']"):
-                    hint = (
-                        " The stock Trainer loss passes num_items_in_batch to models that accept loss kwargs as an "
-                        "[n_gpu, 1] tensor, one row per GPU, which a balanced split cannot follow. "
-                        "hf_parallel.Trainer with exact_loss=True (the default) does not pass it for the heads it "
-                        "computes exactly; for "
-                        "a model it cannot (it warns, naming it), unset gpu0_bsz/gpu0_weight."
-                    )
-                raise ValueError(
-                    f"{name} has {rows} rows along dim {self.dim} but the batch has {batch_size} (from "
-                    f"{batch_name}). BalancedDataParallel splits every tensor argument along dim {self.dim}; pass "
-                    f"per-batch values as 0-dim tensors or non-tensors.{hint}"
-                )
+        batch_size = batch_rows(inputs, kwargs, self.dim)
         if not batch_size:
             # Nothing to split (an empty batch, or no tensor with a batch dimension): run once, on GPU 0, as on one
             # device. Stock would run every device on a copy of the call (and fail on a 0-dim tensor).
@@ -412,38 +165,87 @@ class BalancedDataParallel(nn.DataParallel):
         positions = [p for p, size in enumerate(sizes) if size > 0]
         return positions, [sizes[p] for p in positions]
 
-    def _scatter_chunks(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], device_ids: Sequence[int], chunk_sizes: Sequence[int]
-    ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
-        """
-        Send the chunks to their devices: tensors split along `dim` with `chunk_sizes`, 0-dim tensors copied,
-        the rest shared. The one place that moves data, so `hf_parallel.testing` can swap in its CPU version.
-        """
-        device_type = self.src_device_obj.type
 
-        def split(tensor):
-            return Scatter.apply(list(device_ids), list(chunk_sizes), self.dim, tensor)
-
-        def copy(tensor):
-            return [tensor.to(torch.device(device_type, d)) for d in device_ids]
-
-        return _scatter_inputs(inputs, kwargs, len(device_ids), split, copy)
+def _check_module_device(wrapper: nn.DataParallel) -> None:
+    # nn.DataParallel.forward's own check, which the balanced forward replaces.
+    for t in chain(wrapper.module.parameters(), wrapper.module.buffers()):
+        if t.device != wrapper.src_device_obj:
+            raise RuntimeError(
+                f"module must have its parameters and buffers on device {wrapper.src_device_obj} "
+                f"(device_ids[0]) but found one of them on device: {t.device}"
+            )
 
 
-def _scatter_inputs(inputs, kwargs, num_chunks, split, copy):
-    scattered_inputs = scatter_structure(tuple(inputs), num_chunks, split, copy) if inputs else []
-    scattered_kwargs = scatter_structure(kwargs, num_chunks, split, copy) if kwargs else []
-    scattered_inputs = scattered_inputs or [() for _ in range(num_chunks)]
-    scattered_kwargs = scattered_kwargs or [{} for _ in range(num_chunks)]
-    return tuple(scattered_inputs), tuple(scattered_kwargs)
+def balanced_wrapper(
+    model: nn.Module, args: Any, accelerator: Any, training: bool = True, model_accepts_loss_kwargs: bool = False
+) -> BalancedDataParallel | None:
+    """
+    The `BalancedDataParallel` a Trainer wraps `model` in for `args.gpu0_bsz` / `args.gpu0_weight`, or `None` when
+    the stock wrapping applies: neither option set, not DataParallel (DDP, or one device: warned once, the option
+    is ignored), a model already wrapped, SageMaker model parallelism, or an 8-bit/4-bit model.
 
+    `torch.nn.DataParallel` is looked up at call time, as the stock Trainer does: when it is a
+    `TransportDataParallel` (a stand-in that does its device work its own way), the balanced wrapper gets a transport
+    of the same kind.
 
-def _display_name(path: str) -> str:
-    """`kwargs['input_ids']` -> `input_ids`; `inputs[0]` -> `positional argument 0`, for error messages."""
-    if path.startswith("kwargs['"):
-        end = path.index("']")
-        return f"`{path[8:end]}{path[end + 2 :]}`"
-    if path.startswith("inputs["):
-        end = path.index("]")
-        return f"positional argument {path[7:end]}" + (f" (`{path[end + 1 :]}`)" if path[end + 1 :] else "")
-    return f"`{path}`"
+    Args:
+        model (`nn.Module`):
+            The model the Trainer is about to wrap.
+        args (`hf_parallel.TrainingArguments`):
+            The Trainer's arguments.
+        accelerator (`accelerate.Accelerator`):
+            The Trainer's accelerator (to see through wrappers already applied).
+        training (`bool`, *optional*, defaults to `True`):
+            Whether the wrap is for training.
+        model_accepts_loss_kwargs (`bool`, *optional*, defaults to `False`):
+            Whether the stock loss passes `num_items_in_batch` to the model.
+
+    Raises:
+        `ValueError`: for training with `exact_loss=False` on a model that accepts loss kwargs: the stock loss then
+        passes it an `[n_gpu, 1]` tensor that a balanced split cannot follow.
+
+    ```python
+    def _wrap_model(self, model, training=True, dataloader=None):
+        wrapped = balanced_wrapper(model, self.args, self.accelerator, training, self.model_accepts_loss_kwargs)
+        return wrapped if wrapped is not None else super()._wrap_model(model, training, dataloader)
+    ```
+    """
+    if args.gpu0_bsz is None and args.gpu0_weight is None:
+        return None
+    setting = f"gpu0_bsz={args.gpu0_bsz}" if args.gpu0_bsz is not None else f"gpu0_weight={args.gpu0_weight}"
+    if args.parallel_mode != ParallelMode.NOT_DISTRIBUTED or args.n_gpu <= 1:
+        reason = "under DDP each process has its own GPU and batch" if args.world_size > 1 else "one device"
+        logger.warning_once(
+            f"{setting} is ignored: it balances nn.DataParallel over several GPUs in one process, and this run "
+            f"uses {reason} (n_gpu={args.n_gpu}, world_size={args.world_size})."
+        )
+        return None
+    if (
+        accelerator.unwrap_model(model, keep_torch_compile=False) is not model  # already wrapped
+        or is_sagemaker_mp_enabled()
+        or getattr(model, "is_loaded_in_8bit", False)
+        or getattr(model, "is_loaded_in_4bit", False)
+    ):
+        return None
+    if training and not args.exact_loss and model_accepts_loss_kwargs:
+        # Stock compute_loss passes num_items_in_batch to such models as an [n_gpu, 1] tensor, one row per GPU,
+        # which a balanced split cannot scatter (BalancedDataParallel would raise at the first step).
+        raise ValueError(
+            f"{setting} with exact_loss=False: {type(model).__name__} accepts loss kwargs, so the stock loss "
+            "passes it num_items_in_batch as an [n_gpu, 1] tensor, one row per GPU, which a balanced split cannot "
+            "follow. Set exact_loss=True (the default) or unset gpu0_bsz/gpu0_weight."
+        )
+    if training and not args.exact_loss:
+        logger.warning_once(
+            f"{setting} with exact_loss=False: the stock loss averages the per-GPU mean losses, which is not the "
+            "batch mean when the chunks differ in size, as they do here. Keep exact_loss=True (the default)."
+        )
+    data_parallel = torch.nn.DataParallel
+    transport_class = (
+        data_parallel.transport_class if issubclass(data_parallel, TransportDataParallel) else CudaTransport
+    )
+    # Past the DataParallel wrap, stock only adds wrappers for XLA FSDP and SageMaker DP, neither of which runs
+    # with n_gpu > 1 in one process, so the wrapped model is final for training and evaluation alike.
+    return BalancedDataParallel(
+        model, gpu0_bsz=args.gpu0_bsz, gpu0_weight=args.gpu0_weight, transport=transport_class()
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -14,8 +13,8 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .checkpoints import checkpoint_weight_files, load_state_dict
-from .data_parallel import BalancedDataParallel
-from .exact import ExactLoss, LossHead, StepCounts
+from .data_parallel import balanced_wrapper
+from .exact import ExactLoss, LossHead, StepCounts, pull_batches
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
 from .training_args import TrainingArguments
@@ -88,10 +87,13 @@ class Trainer(transformers.Trainer):
         if not self.args.exact_loss:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         # Stock's loop without its count: the stock count costs a collective under DDP, and the exact one replaces it.
-        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
+        batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
         head = self._exact_head(batch_samples[0] if batch_samples else None)
         if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
+        if self.compute_loss_func is None:  # a user loss sees whole batches: it cannot leave padding rows out
+            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
+            self.exact.mark_padding(head, batch_samples, end, self.accelerator.process_index, pads)
         return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name())
 
     def _main_input_name(self) -> str:
@@ -158,43 +160,8 @@ class Trainer(transformers.Trainer):
 
     # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in data_parallel.py) ----
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
-        args = self.args
-        if args.gpu0_bsz is None and args.gpu0_weight is None:
-            return super()._wrap_model(model, training, dataloader)
-        setting = f"gpu0_bsz={args.gpu0_bsz}" if args.gpu0_bsz is not None else f"gpu0_weight={args.gpu0_weight}"
-        if args.parallel_mode != ParallelMode.NOT_DISTRIBUTED or args.n_gpu <= 1:
-            reason = "under DDP each process has its own GPU and batch" if args.world_size > 1 else "one device"
-            logger.warning_once(
-                f"{setting} is ignored: it balances nn.DataParallel over several GPUs in one process, and this run "
-                f"uses {reason} (n_gpu={args.n_gpu}, world_size={args.world_size})."
-            )
-            return super()._wrap_model(model, training, dataloader)
-        if (
-            self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model  # already wrapped
-            or is_sagemaker_mp_enabled()
-            or getattr(model, "is_loaded_in_8bit", False)
-            or getattr(model, "is_loaded_in_4bit", False)
-        ):
-            return super()._wrap_model(model, training, dataloader)
-        if training and not args.exact_loss and self.model_accepts_loss_kwargs:
-            # Stock compute_loss passes num_items_in_batch to such models as an [n_gpu, 1] tensor, one row per GPU,
-            # which a balanced split cannot scatter (BalancedDataParallel would raise at the first step).
-            raise ValueError(
-                f"{setting} with exact_loss=False: {type(model).__name__} accepts loss kwargs, so the stock loss "
-                "passes it num_items_in_batch as an [n_gpu, 1] tensor, one row per GPU, which a balanced split cannot "
-                "follow. Set exact_loss=True (the default) or unset gpu0_bsz/gpu0_weight."
-            )
-        if training and not args.exact_loss:
-            logger.warning_once(
-                f"{setting} with exact_loss=False: the stock loss averages the per-GPU mean losses, which is not the "
-                "batch mean when the chunks differ in size, as they do here. Keep exact_loss=True (the default)."
-            )
-        # Looked up at call time, as the stock Trainer looks up nn.DataParallel, so that
-        # hf_parallel.testing.simulate_data_parallel can substitute its CPU simulation.
-        balanced_class = getattr(torch.nn.DataParallel, "hf_parallel_balanced_class", BalancedDataParallel)
-        # Past the DataParallel wrap, stock only adds wrappers for XLA FSDP and SageMaker DP, neither of which runs
-        # with n_gpu > 1 in one process, so the wrapped model is final for training and evaluation alike.
-        return balanced_class(model, gpu0_bsz=args.gpu0_bsz, gpu0_weight=args.gpu0_weight)
+        wrapped = balanced_wrapper(model, self.args, self.accelerator, training, self.model_accepts_loss_kwargs)
+        return wrapped if wrapped is not None else super()._wrap_model(model, training, dataloader)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         if self.args.exact_loss and self.accelerator.num_processes > 1:

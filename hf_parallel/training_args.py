@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 import transformers
+
+from .chunking import check_split_options
 
 
 @dataclass
@@ -83,32 +84,12 @@ class TrainingArguments(transformers.TrainingArguments):
     def _validate_hf_parallel_fields(self) -> None:
         if not isinstance(self.exact_loss, bool):
             raise ValueError(f"exact_loss must be True or False, got {self.exact_loss!r}.")
-        if self.gpu0_bsz is not None and self.gpu0_weight is not None:
+        check_split_options(self.gpu0_bsz, self.gpu0_weight)
+        if self.gpu0_bsz is not None and self.gpu0_bsz > self.per_device_train_batch_size:
+            # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
+            # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.
             raise ValueError(
-                f"Set at most one of gpu0_bsz ({self.gpu0_bsz}) and gpu0_weight ({self.gpu0_weight}): "
-                "gpu0_bsz fixes GPU 0's rows, gpu0_weight its share relative to the other GPUs."
+                f"gpu0_bsz={self.gpu0_bsz} is above GPU 0's even share of the batch "
+                f"(per_device_train_batch_size={self.per_device_train_batch_size}); GPU 0 would get more rows "
+                "than the other GPUs. Lower gpu0_bsz or raise per_device_train_batch_size."
             )
-        if self.gpu0_bsz is not None:
-            if isinstance(self.gpu0_bsz, bool) or not isinstance(self.gpu0_bsz, int):
-                raise ValueError(f"gpu0_bsz must be a whole number of rows, got {self.gpu0_bsz!r}.")
-            if self.gpu0_bsz < 0:
-                raise ValueError(
-                    f"gpu0_bsz must be >= 0 (rows of each batch given to GPU 0), got {self.gpu0_bsz}. "
-                    "Use 0 to keep GPU 0 for gathering only."
-                )
-            if self.gpu0_bsz > self.per_device_train_batch_size:
-                # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share
-                # of it is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.
-                raise ValueError(
-                    f"gpu0_bsz={self.gpu0_bsz} is above GPU 0's even share of the batch "
-                    f"(per_device_train_batch_size={self.per_device_train_batch_size}); GPU 0 would get more rows "
-                    "than the other GPUs. Lower gpu0_bsz or raise per_device_train_batch_size."
-                )
-        if self.gpu0_weight is not None:
-            if isinstance(self.gpu0_weight, bool) or not isinstance(self.gpu0_weight, (int, float)):
-                raise ValueError(f"gpu0_weight must be a number, got {self.gpu0_weight!r}.")
-            if not math.isfinite(self.gpu0_weight) or not 0 <= self.gpu0_weight <= 1:
-                raise ValueError(
-                    f"gpu0_weight must be a finite number in [0, 1] (GPU 0's share relative to each other GPU; "
-                    f"1 is an even split), got {self.gpu0_weight}."
-                )

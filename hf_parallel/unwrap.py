@@ -31,8 +31,8 @@ _MODULE_WRAPPER_NAMES = {"DeepSpeedEngine", "FullyShardedDataParallel", "Pipelin
 # How many keys an error message lists before it says how many more there are.
 MAX_KEYS_SHOWN = 10
 
-# Bound at import from their defining modules: hf_parallel.testing.simulate_data_parallel rebinds `nn.DataParallel`
-# for the duration of a block, and a model wrapped before that block must still be recognised inside it.
+# Bound at import from their defining modules: code may rebind torch.nn.DataParallel for a while (a stand-in
+# that does its device work elsewhere), and a model wrapped before must still be recognised.
 DATA_PARALLEL_CLASSES = (DataParallel, DistributedDataParallel)
 
 

@@ -20,6 +20,7 @@ import transformers
 from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
 from tests.heads import CASES
+from tests.tiny import IterableRows
 
 TRAIN_ROWS = 8  # 2B with B = 4
 EVAL_ROWS = 7  # not divisible by 2 ranks x 2 rows: DDP evaluation pads with duplicates
@@ -43,6 +44,7 @@ class Capture(transformers.TrainerCallback):
 
     def __init__(self):
         self.loss = None
+        self.losses = []  # every logged training loss, one per logging step
         self.grads = {}
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -50,8 +52,10 @@ class Capture(transformers.TrainerCallback):
             self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs and self.loss is None:
-            self.loss = logs["loss"]
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+            if self.loss is None:
+                self.loss = logs["loss"]
 
 
 def make_args(args_cls, output_dir: str, topology: Topology, label_smoothing: float = 0.0, **overrides):
@@ -96,13 +100,15 @@ def run_case(
     exact_loss: bool = True,
     train_rows: int = TRAIN_ROWS,
     evaluate_first: bool = True,
+    iterable: bool = False,
     **overrides,
 ) -> dict:
     """
     Train one step and evaluate; return the logged loss, eval_loss, gradient and parameters.
 
-    `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP
-    (DESIGN.md), so every DDP case also checks that hf_parallel still wraps the model.
+    `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP,
+    so every DDP case also checks that hf_parallel still wraps the model. `iterable` trains on the rows as an
+    iterable dataset (no length), which accelerate dispatches from rank 0 under DDP.
     """
     case = CASES[case_name]
     if stock:
@@ -111,12 +117,13 @@ def run_case(
         trainer_cls, args_cls = Trainer, TrainingArguments
     extra = overrides if stock else {"exact_loss": exact_loss, **overrides}
     capture = Capture()
+    train_rows = case.dataset(train_rows, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         args = make_args(args_cls, tmp, topology, case.label_smoothing, **extra)
         trainer = trainer_cls(
             model=case.build(0),
             args=args,
-            train_dataset=case.dataset(train_rows, seed=1),
+            train_dataset=IterableRows(train_rows) if iterable else train_rows,
             eval_dataset=case.dataset(EVAL_ROWS, seed=2),
             callbacks=[capture],
         )
@@ -134,6 +141,7 @@ def run_case(
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = {
             "loss": capture.loss,
+            "losses": capture.losses,
             "train_loss": train_loss,
             "eval_loss": eval_loss,
             "grads": capture.grads,
@@ -160,6 +168,27 @@ def ddp_worker(case_names: list[str], topology: Topology, out_dir: str, stock: b
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def runs_worker(runs: dict[str, tuple[str, Topology, bool, dict]], out_dir: str) -> None:
+    """Body of each DDP rank: every named run (case, topology, stock, overrides) in one spawn; rank 0 saves them."""
+    results = {}
+    for name, (case, topology, stock, overrides) in runs.items():
+        result = run_case(case, topology, stock=stock, **overrides)
+        flat = torch.cat([p.flatten() for p in result["params"].values()])
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        result["max_rank_param_diff"] = max((g - flat).abs().max().item() for g in gathered)
+        results[name] = result
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ddp_runs(runs: dict[str, tuple[str, Topology, bool, dict]], tmp_path, processes: int = 2) -> dict:
+    spawn_ranks(runs_worker, (runs, str(tmp_path)), processes)
+    return torch.load(os.path.join(tmp_path, "results.pt"), weights_only=False)
 
 
 def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = False, **overrides) -> dict:

@@ -34,8 +34,15 @@ NUM_LABELS = 3
 def _gpt2(seed: int):
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, use_cache=False,
+        vocab_size=VOCAB,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
     )
     return GPT2LMHeadModel(config)
 
@@ -43,8 +50,14 @@ def _gpt2(seed: int):
 def _llama(seed: int):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, use_cache=False,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        use_cache=False,
     )
     return LlamaForCausalLM(config)
 
@@ -52,9 +65,19 @@ def _llama(seed: int):
 def _bart(seed: int):
     torch.manual_seed(seed)
     config = BartConfig(
-        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
     )
     return BartForConditionalGeneration(config)
 

@@ -1,5 +1,4 @@
-"""gpu0_bsz / gpu0_weight in hf_parallel.Trainer (through the DataParallel simulation), the memory callbacks and the
-gpu0_bsz advisor."""
+"""gpu0_bsz / gpu0_weight in hf_parallel.Trainer (through the DataParallel simulation) and the memory callbacks."""
 
 import inspect
 import math
@@ -8,8 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from transformers import BertForSequenceClassification, TrainerState
 from transformers.testing_utils import CaptureLogger
 from transformers.training_args import ParallelMode
@@ -22,7 +19,7 @@ from hf_parallel import (
     TrainingArguments,
     suggest_gpu0_bsz,
 )
-from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, simulated_training_args
+from hf_parallel.testing import CpuTransport, simulate_data_parallel, simulated_training_args
 from tests.tiny import classification_rows, tiny_bert_config
 
 
@@ -93,7 +90,9 @@ def test_balanced_training_is_exact(case, tmp_path):
     )
     assert trainer.args.n_gpu == n_devices
     assert trainer.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED
-    assert type(trainer.model_wrapped) is SimulatedBalancedDataParallel
+    # The balanced wrapper, over the CPU transport of the simulated torch.nn.DataParallel.
+    assert isinstance(trainer.model_wrapped, hf_parallel.BalancedDataParallel)
+    assert isinstance(trainer.model_wrapped.transport, CpuTransport)
     assert trainer.model_wrapped.module is trainer.model  # evaluate() did not wrap twice
     single_options = {k: v for k, v in options.items() if k == "gradient_accumulation_steps"}
     _, losses_1, metrics_1, params_1 = _run(
@@ -119,7 +118,7 @@ def test_evaluation_batches_are_balanced_too(tmp_path):
     # Training batches of 6 on 3 devices with gpu0_bsz=1 are split [1, 3, 2]; the evaluation batch of 5 rows
     # (per_device_eval_batch_size 2 x 3, 5 rows in the set) is split [1, 2, 2].
     trainer, *_ = _run(tmp_path, 3, 6, per_device_train_batch_size=2, gpu0_bsz=1, max_steps=1)
-    assert trainer.model_wrapped.last_chunk_sizes == [1, 3, 2]
+    assert trainer.model_wrapped.transport.last_chunk_sizes == [1, 3, 2]
     seen = []
     trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True
@@ -164,7 +163,7 @@ def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warni
     args = simulated_training_args(
         3, **_arguments(tmp_path, per_device_train_batch_size=2, max_steps=1, gpu0_bsz=1, exact_loss=False)
     )
-    logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
+    logger = transformers.utils.logging.get_logger("hf_parallel")
     transformers.utils.logging.set_verbosity_warning()
     if hasattr(logger.warning_once, "cache_clear"):
         logger.warning_once.cache_clear()
@@ -173,7 +172,7 @@ def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warni
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
     assert "averages the per-GPU mean losses" in captured.out
-    assert trainer.model_wrapped.last_chunk_sizes == [1, 3, 2]
+    assert trainer.model_wrapped.transport.last_chunk_sizes == [1, 3, 2]
     logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
     assert len(model.chunk_means) == 3
     assert logged == pytest.approx(sum(model.chunk_means) / 3, rel=1e-5)  # stock: the mean of the 3 chunk means
@@ -182,7 +181,7 @@ def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warni
 
 
 def test_ignored_on_one_device_with_one_warning(tmp_path):
-    logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
+    logger = transformers.utils.logging.get_logger("hf_parallel")
     transformers.utils.logging.set_verbosity_warning()
     if hasattr(logger.warning_once, "cache_clear"):
         logger.warning_once.cache_clear()  # warning_once is cached per message for the whole process
@@ -207,26 +206,11 @@ def test_without_options_the_stock_wrapper_is_used(tmp_path):
     assert type(trainer.model_wrapped).__name__ == "SimulatedDataParallel"
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"gpu0_bsz": -1}, "gpu0_bsz must be >= 0"),
-        ({"gpu0_bsz": 9}, "above GPU 0's even share"),
-        ({"gpu0_bsz": 1, "gpu0_weight": 0.5}, "at most one"),
-        ({"gpu0_weight": float("nan")}, "finite number"),
-        ({"gpu0_weight": 2.0}, "finite number"),
-    ],
-)
-def test_arguments_are_validated(options, message, tmp_path):
-    with pytest.raises(ValueError, match=message):
-        TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, use_cpu=True, **options)
-
-
 def _ddp_worker(output_dir):
     args = TrainingArguments(
         use_cpu=True, **_arguments(output_dir, per_device_train_batch_size=2, max_steps=1, gpu0_bsz=1)
     )
-    logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
+    logger = transformers.utils.logging.get_logger("hf_parallel")
     with CaptureLogger(logger) as captured:
         trainer = Trainer(model=_model(), args=args, train_dataset=classification_rows(8))
         assert args.world_size == 2 and args.parallel_mode == ParallelMode.DISTRIBUTED
@@ -246,7 +230,7 @@ def test_ignored_under_ddp(tmp_path):
     from hf_parallel.testing import spawn_cpu_ranks as spawn_ranks
 
     transformers.utils.logging.set_verbosity_warning()
-    logger = transformers.utils.logging.get_logger("hf_parallel.trainer")
+    logger = transformers.utils.logging.get_logger("hf_parallel")
     if hasattr(logger.warning_once, "cache_clear"):
         logger.warning_once.cache_clear()
     spawn_ranks(_ddp_worker, (str(tmp_path),), 2)
@@ -327,67 +311,6 @@ def test_advisor_uses_the_balanced_split_in_use(monkeypatch, tmp_path):
     assert advisor.measured["rows"] == [2, 5, 5]
     # Equal peaks under the split in use: it already evens memory out, so the advice is the gpu0_bsz in use.
     assert advisor.suggestion == suggest_gpu0_bsz([10.0, 10.0, 10.0], [2, 5, 5]) == 2
-
-
-@pytest.mark.parametrize(
-    "peaks, rows, static, expected",
-    [
-        ([20e9, 12e9], [16, 16], 4e9, 8),  # the docstring's example: both end at 16 GB
-        ([20e9, 12e9], [16, 16], 0.0, 10),  # no static part: per-row cost overestimated, fewer rows moved
-        ([12e9, 12e9, 12e9], [16, 16, 16], 4e9, 16),  # already even: the even share (no gpu0_bsz needed)
-        ([30e9, 10e9, 10e9], [8, 8, 8], 2e9, 0),  # GPU 0 too heavy for any rows: 0
-        ([14e9, 12e9, 12e9], [4, 10, 10], 2e9, 2),  # measured under a balanced split already
-    ],
-)
-def test_suggest_gpu0_bsz_examples(peaks, rows, static, expected):
-    assert suggest_gpu0_bsz(peaks, rows, static) == expected
-
-
-@pytest.mark.parametrize(
-    "peaks, rows, static, message",
-    [
-        ([1.0], [1], 0.0, "at least two GPUs"),
-        ([1.0, 2.0], [1], 0.0, "one peak and one row count per GPU"),
-        ([1.0, float("nan")], [1, 1], 0.0, "finite numbers"),
-        ([1.0, 2.0], [1, -1], 0.0, "whole numbers"),
-        ([1.0, 2.0], [2, 0], 0.0, "had no rows"),
-        ([5.0, 2.0], [1, 1], 3.0, "not above static_memory"),
-        ([5.0, 2.0], [1, 1], -1.0, "static_memory must be"),
-    ],
-)
-def test_suggest_gpu0_bsz_rejects_bad_measurements(peaks, rows, static, message):
-    with pytest.raises(ValueError, match=message):
-        suggest_gpu0_bsz(peaks, rows, static)
-
-
-@settings(max_examples=1000, deadline=None)
-@given(
-    st.integers(2, 8),  # GPUs
-    st.integers(1, 64),  # rows per GPU at the even split
-    st.integers(1, 1000),  # per-row memory
-    st.integers(0, 50_000),  # constant memory of the other GPUs
-    st.integers(0, 100_000),  # GPU 0's extra constant memory
-)
-def test_suggestion_evens_out_a_linear_memory_model(n, per_gpu, per_row, static, extra):
-    # Memory = constant + per_row x rows on every GPU, GPU 0's constant larger by `extra`; measured at an even split.
-    batch = n * per_gpu
-    rows = [per_gpu] * n
-    peaks = [float(static + extra + per_row * per_gpu)] + [float(static + per_row * per_gpu)] * (n - 1)
-    g = suggest_gpu0_bsz(peaks, rows, float(static))
-    assert 0 <= g <= per_gpu
-
-    def gpu0(rows0):
-        return static + extra + per_row * rows0
-
-    def others(rows0):  # the mean of the other GPUs once they share the rest
-        return static + per_row * (batch - rows0) / (n - 1)
-
-    if g > 0:
-        assert gpu0(g) <= others(g) + 1e-6  # GPU 0 no heavier than the others...
-    if g < per_gpu:
-        assert gpu0(g + 1) > others(g + 1) - 1e-6  # ...and one more row would make it heavier
-    # Without the static part the per-row cost is overestimated: the suggestion moves no more rows than needed.
-    assert g <= suggest_gpu0_bsz(peaks, rows, 0.0) <= per_gpu
 
 
 def test_public_names():

@@ -1,151 +1,28 @@
-"""balanced_chunk_sizes (property tests) and BalancedDataParallel (on CPU through the simulation; real on GPUs)."""
-
-from fractions import Fraction
+"""BalancedDataParallel (on CPU over the simulation's transport; real on GPUs) and balanced_wrapper, the Trainer's
+decision of when to use it."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import transformers
+from accelerate import Accelerator
 from torch import nn
 from transformers import BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers.testing_utils import CaptureLogger
 
 import hf_parallel
 from hf_parallel import BalancedDataParallel, balanced_chunk_sizes, unwrap_model
-from hf_parallel.testing import SimulatedBalancedDataParallel
+from hf_parallel.data_parallel import balanced_wrapper
+from hf_parallel.testing import (
+    CpuTransport,
+    SimulatedBalancedDataParallel,
+    SimulatedDataParallel,
+    simulate_data_parallel,
+    simulated_training_args,
+)
+from hf_parallel.transport import CudaTransport, TransportDataParallel
 from tests.tiny import tiny_bert_classifier
 
-BATCH = st.integers(0, 300)
-DEVICES = st.integers(1, 9)
-GPU0_BSZ = st.none() | st.integers(0, 200)
-GPU0_WEIGHT = st.floats(0, 1, allow_nan=False) | st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0])
-
-
-def _gpu0_cap(batch_size, num_devices, gpu0_bsz, gpu0_weight):
-    """The most rows GPU 0 may get, characterised without the library's formula: the largest g within the even share
-    and gpu0_bsz with g / w <= (batch_size - g) / (n - 1), i.e. g * (w + n - 1) <= batch_size * w, in exact
-    arithmetic on the decimal the weight is written as."""
-    cap = batch_size // num_devices
-    if gpu0_bsz is not None:
-        cap = min(cap, gpu0_bsz)
-    if gpu0_weight is not None:
-        w = Fraction(repr(gpu0_weight))
-        while cap > 0 and cap * (w + num_devices - 1) > batch_size * w:
-            cap -= 1
-    return cap
-
-
-# ---- balanced_chunk_sizes ----
-
-
-@settings(max_examples=1000, deadline=None)
-@given(BATCH, DEVICES, GPU0_BSZ)
-def test_sizes_sum_to_batch_none_negative_gpu0_bounded(batch_size, num_devices, gpu0_bsz):
-    sizes = balanced_chunk_sizes(batch_size, num_devices, gpu0_bsz=gpu0_bsz)
-    assert len(sizes) == num_devices
-    assert sum(sizes) == batch_size
-    assert min(sizes) >= 0
-    if num_devices == 1:
-        assert sizes == [batch_size]
-        return
-    assert sizes[0] <= batch_size // num_devices  # never above its even share
-    if gpu0_bsz is not None:
-        assert sizes[0] <= gpu0_bsz
-    # ... and exactly the most it is allowed: GPU 0 is not starved below the rule.
-    assert sizes[0] == _gpu0_cap(batch_size, num_devices, gpu0_bsz, None)
-
-
-@settings(max_examples=1000, deadline=None)
-@given(BATCH, st.integers(2, 9), GPU0_BSZ)
-def test_other_devices_differ_by_at_most_one_and_never_below_gpu0(batch_size, num_devices, gpu0_bsz):
-    sizes = balanced_chunk_sizes(batch_size, num_devices, gpu0_bsz=gpu0_bsz)
-    others = sizes[1:]
-    assert max(others) - min(others) <= 1
-    assert others == sorted(others, reverse=True)  # the extra rows go to the lower indices
-    assert min(others) >= sizes[0]  # GPU 0 never gets more than any other device
-
-
-@settings(max_examples=1000, deadline=None)
-@given(BATCH, DEVICES, GPU0_WEIGHT)
-def test_weight_rule(batch_size, num_devices, gpu0_weight):
-    sizes = balanced_chunk_sizes(batch_size, num_devices, gpu0_weight=gpu0_weight)
-    assert len(sizes) == num_devices and sum(sizes) == batch_size and min(sizes) >= 0
-    if num_devices == 1:
-        assert sizes == [batch_size]
-        return
-    assert sizes[0] == _gpu0_cap(batch_size, num_devices, None, gpu0_weight)
-    others = sizes[1:]
-    assert max(others) - min(others) <= 1 and min(others) >= sizes[0]
-    # GPU 0's share relative to another device's is at most the weight (up to the one-row rounding of the others).
-    assert sizes[0] <= gpu0_weight * max(others) + 1e-9
-
-
-@settings(max_examples=1000, deadline=None)
-@given(BATCH, st.integers(2, 9), st.integers(0, 100), st.integers(0, 100))
-def test_more_gpu0_bsz_never_gives_gpu0_fewer_rows(batch_size, num_devices, a, b):
-    low, high = sorted((a, b))
-    assert (
-        balanced_chunk_sizes(batch_size, num_devices, gpu0_bsz=low)[0]
-        <= balanced_chunk_sizes(batch_size, num_devices, gpu0_bsz=high)[0]
-    )
-
-
-@settings(max_examples=1000, deadline=None)
-@given(BATCH, DEVICES)
-def test_without_options_the_split_is_even(batch_size, num_devices):
-    sizes = balanced_chunk_sizes(batch_size, num_devices)
-    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == batch_size
-    assert sizes == balanced_chunk_sizes(batch_size, num_devices, gpu0_weight=1.0)
-    assert sizes == balanced_chunk_sizes(batch_size, num_devices, gpu0_bsz=batch_size)
-    assert balanced_chunk_sizes(batch_size, num_devices, gpu0_weight=0.0) == balanced_chunk_sizes(
-        batch_size, num_devices, gpu0_bsz=0
-    )
-
-
-@pytest.mark.parametrize(
-    "batch_size, num_devices, options, expected",
-    [
-        (52, 3, {"gpu0_bsz": 16}, [16, 18, 18]),  # the source document's examples
-        (53, 3, {"gpu0_bsz": 16}, [16, 19, 18]),
-        (10, 3, {"gpu0_bsz": 3}, [3, 4, 3]),  # the anchors give [4, 4, 2]: 4 rows on GPU 0, above gpu0_bsz
-        (32, 2, {"gpu0_bsz": 14}, [14, 18]),  # the source document's 2-GPU example
-        (7, 1, {"gpu0_bsz": 2}, [7]),  # one device takes everything (the anchors: ZeroDivisionError)
-        (0, 3, {"gpu0_bsz": 2}, [0, 0, 0]),  # empty batch
-        (2, 4, {}, [0, 1, 1, 0]),  # fewer rows than devices: GPU 0's even share is 0
-        (3, 4, {"gpu0_bsz": 5}, [0, 1, 1, 1]),
-        (9, 3, {"gpu0_bsz": 0}, [0, 5, 4]),
-        (6, 4, {}, [1, 2, 2, 1]),  # torch.chunk would give [2, 2, 2] on 3 devices
-        (10, 3, {"gpu0_weight": 0.5}, [2, 4, 4]),
-        (23, 3, {"gpu0_weight": 0.3}, [3, 10, 10]),  # 23 * 0.3 / 2.3 = 3 exactly: not floored to 2
-        (12, 3, {"gpu0_bsz": 100}, [4, 4, 4]),  # gpu0_bsz above the even share of a short batch: the even share
-    ],
-)
-def test_examples(batch_size, num_devices, options, expected):
-    assert balanced_chunk_sizes(batch_size, num_devices, **options) == expected
-
-
-@pytest.mark.parametrize(
-    "arguments, message",
-    [
-        ((10, 2, 1, 0.5), "at most one"),
-        ((10, 2, -1, None), "gpu0_bsz must be >= 0"),
-        ((10, 2, 1.5, None), "whole number of rows"),
-        ((10, 2, True, None), "whole number of rows"),
-        ((10, 2, None, float("nan")), r"finite number in \[0, 1\]"),
-        ((10, 2, None, float("inf")), r"finite number in \[0, 1\]"),
-        ((10, 2, None, 1.5), r"finite number in \[0, 1\]"),
-        ((10, 2, None, -0.1), r"finite number in \[0, 1\]"),
-        ((10, 2, None, "0.5"), "must be a number"),
-        ((-1, 2, None, None), "batch_size must be a whole number >= 0"),
-        ((10, 0, None, None), "num_devices must be a whole number >= 1"),
-        ((10.0, 2, None, None), "batch_size"),
-    ],
-)
-def test_bad_arguments_raise_naming_the_value(arguments, message):
-    with pytest.raises(ValueError, match=message):
-        balanced_chunk_sizes(*arguments)
-
-
-# ---- BalancedDataParallel on CPU, through the simulation (only the device transfer is simulated) ----
+# ---- BalancedDataParallel on CPU, over the simulation's transport (only the device work is simulated) ----
 
 
 class Probe(nn.Module):
@@ -292,7 +169,7 @@ def test_call_without_batched_tensor_runs_once_on_gpu0():
 def test_constructor_forms():
     model = Probe()
     assert _sim(model, gpu0_bsz=2).gpu0_bsz == 2
-    legacy = SimulatedBalancedDataParallel(2, model, dim=0, n_devices=3)  # the source document's form
+    legacy = SimulatedBalancedDataParallel(2, model, dim=0, n_devices=3)  # the older form, gpu0_bsz first
     assert legacy.gpu0_bsz == 2 and legacy.module is model and legacy.dim == 0
     assert SimulatedBalancedDataParallel(3, module=model, n_devices=2).gpu0_bsz == 3
     weighted = _sim(model, gpu0_weight=0.5)
@@ -301,7 +178,7 @@ def test_constructor_forms():
         SimulatedBalancedDataParallel(2, model, gpu0_bsz=3, n_devices=2)
     with pytest.raises(ValueError, match="at most one"):
         _sim(model, gpu0_bsz=1, gpu0_weight=0.5)
-    with pytest.raises(ValueError, match="gpu0_bsz must be >= 0"):
+    with pytest.raises(ValueError, match="gpu0_bsz must be a whole number >= 0, got -2"):
         _sim(model, gpu0_bsz=-2)
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         BalancedDataParallel("model", gpu0_bsz=1)
@@ -313,6 +190,7 @@ def test_real_class_on_a_machine_without_gpus_is_stock(tmp_path):
     model = Probe()
     dp = BalancedDataParallel(model, gpu0_bsz=1)
     assert dp.device_ids == []  # nn.DataParallel's own behaviour without accelerators: run the module as is
+    assert type(dp.transport) is CudaTransport and TransportDataParallel.transport_class is CudaTransport
     out = dp(x=torch.ones(3, 2))
     assert [s["rows"] for s in model.seen] == [3] and out["loss"].dim() == 0
     assert isinstance(dp, nn.DataParallel) and unwrap_model(dp) is model
@@ -345,12 +223,27 @@ def test_generate_works_on_the_wrapper():
     assert torch.equal(dp.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
 
 
-def test_simulation_swaps_only_the_device_work():
-    # Everything else (validation, chunk sizes, device skipping, forward) is BalancedDataParallel's own code.
-    own = {name for name, value in vars(SimulatedBalancedDataParallel).items() if callable(value)}
-    assert own == {"_scatter_chunks", "parallel_apply", "_check_module_device"}
-    for name in ("forward", "_plan", "chunk_sizes", "__init__", "__getattr__"):
+def test_simulation_swaps_only_the_transport():
+    # Everything (validation, chunk sizes, device skipping, forward, the device work's plumbing) is
+    # BalancedDataParallel's own code; only the transport differs, the CPU one SimulatedDataParallel sets up.
+    assert not [name for name, value in vars(SimulatedBalancedDataParallel).items() if callable(value)]
+    for name in ("forward", "_plan", "chunk_sizes", "__getattr__", "scatter", "replicate", "parallel_apply", "gather"):
         assert getattr(SimulatedBalancedDataParallel, name) is getattr(BalancedDataParallel, name), name
+    assert isinstance(_sim(Probe()).transport, CpuTransport)
+    assert issubclass(SimulatedBalancedDataParallel, SimulatedDataParallel)  # it stands in where the simulation does
+
+
+def test_a_transport_passed_in_does_the_device_work():
+    model = Probe()
+    x = torch.arange(12.0).view(6, 2)
+    transport = CpuTransport(n_devices=3)
+    dp = BalancedDataParallel(model, gpu0_bsz=1, transport=transport)
+    assert type(dp) is BalancedDataParallel and dp.transport is transport and dp.device_ids == [0, 1, 2]
+    out = dp(x=x)
+    assert [s["rows"] for s in model.seen] == [1, 3, 2]
+    assert transport.last_chunk_sizes == [1, 3, 2]
+    assert torch.equal(out["pred"], x @ model.w.detach())
+    assert out["loss"].shape == (3,)
 
 
 def test_public_names():
@@ -358,6 +251,84 @@ def test_public_names():
     assert hf_parallel.balanced_chunk_sizes is balanced_chunk_sizes
     assert {"BalancedDataParallel", "balanced_chunk_sizes"} <= set(hf_parallel.__all__)
     assert issubclass(SimulatedBalancedDataParallel, BalancedDataParallel)
+
+
+# ---- balanced_wrapper: when the Trainer wraps in BalancedDataParallel ----
+
+
+class LossKwargsProbe(Probe):
+    """A model whose stock loss gets num_items_in_batch (what model_accepts_loss_kwargs reports for it)."""
+
+
+def _loaded_in_8bit():
+    model = Probe()
+    model.is_loaded_in_8bit = True
+    return model
+
+
+# name: (devices, options, model, training, model_accepts_loss_kwargs, wrapped?, warning that must appear)
+WRAP_CASES = {
+    "options unset": (3, {}, Probe, True, False, False, None),
+    "one device": (1, {"gpu0_bsz": 1}, Probe, True, False, False, "gpu0_bsz=1 is ignored"),
+    "already wrapped": (
+        3,
+        {"gpu0_bsz": 1},
+        lambda: SimulatedDataParallel(Probe(), n_devices=3),
+        True,
+        False,
+        False,
+        None,
+    ),
+    "8-bit model": (3, {"gpu0_bsz": 1}, _loaded_in_8bit, True, False, False, None),
+    "balanced": (3, {"gpu0_weight": 0.5}, Probe, True, True, True, None),
+    "stock loss, evaluation": (3, {"gpu0_bsz": 1, "exact_loss": False}, LossKwargsProbe, False, True, True, None),
+    "stock loss, no loss kwargs": (
+        3,
+        {"gpu0_bsz": 1, "exact_loss": False},
+        Probe,
+        True,
+        False,
+        True,
+        "averages the per-GPU mean losses",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRAP_CASES))
+def test_balanced_wrapper_decisions(case, tmp_path):
+    n_devices, options, build, training, loss_kwargs, wraps, warning = WRAP_CASES[case]
+    args = simulated_training_args(
+        n_devices, output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", **options
+    )
+    logger = transformers.utils.logging.get_logger("hf_parallel")
+    transformers.utils.logging.set_verbosity_warning()
+    logger.warning_once.cache_clear()  # warning_once is cached per message for the whole process
+    model = build()
+    with simulate_data_parallel(n_devices), CaptureLogger(logger) as captured:
+        wrapped = balanced_wrapper(model, args, Accelerator(cpu=True), training, loss_kwargs)
+    if wraps:
+        # torch.nn.DataParallel was the simulated class: the balanced wrapper took its CPU transport.
+        assert type(wrapped) is BalancedDataParallel and isinstance(wrapped.transport, CpuTransport)
+        assert wrapped.module is model and wrapped.device_ids == list(range(n_devices))
+        assert (wrapped.gpu0_bsz, wrapped.gpu0_weight) == (options.get("gpu0_bsz"), options.get("gpu0_weight"))
+    else:
+        assert wrapped is None
+    if warning is not None:
+        assert captured.out.count(warning) == 1, captured.out
+    else:
+        assert captured.out == ""
+
+
+def test_balanced_wrapper_refuses_the_stock_loss_with_loss_kwargs(tmp_path):
+    args = simulated_training_args(3, output_dir=str(tmp_path), gpu0_bsz=1, exact_loss=False, report_to="none")
+    with pytest.raises(ValueError, match=r"gpu0_bsz=1 with exact_loss=False: LossKwargsProbe accepts loss kwargs"):
+        balanced_wrapper(LossKwargsProbe(), args, Accelerator(cpu=True), True, True)
+
+
+def test_balanced_wrapper_without_the_simulation_uses_torch(tmp_path):
+    args = simulated_training_args(3, output_dir=str(tmp_path), gpu0_bsz=1, report_to="none")
+    wrapped = balanced_wrapper(Probe(), args, Accelerator(cpu=True))
+    assert type(wrapped) is BalancedDataParallel and type(wrapped.transport) is CudaTransport
 
 
 # ---- The real class on GPUs (skipped without) ----

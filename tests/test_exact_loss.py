@@ -1,6 +1,6 @@
 """
 The exact loss: one process with batch 2B == DDP 2 ranks x B == simulated DataParallel (even, uneven, balanced)
-== gradient accumulation 2, for every head; and stock transformers differs where DESIGN.md says it does.
+== gradient accumulation 2, for every head; and stock transformers differs, by the factors the README's table gives.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tests.equivalence import (
     max_relative_diff,
     run_case,
     run_ddp,
+    run_ddp_runs,
 )
 from tests.heads import CASES, lm_rows
 from tests.tiny import ListDataset
@@ -86,7 +87,7 @@ def test_single_process_equals_the_model_loss_on_the_whole_batch(case):
 def test_in_process_topologies_equal_one_process(case, topology):
     result = run_case(case, topology)
     if topology.dp_devices > 1:
-        expected = "SimulatedBalancedDataParallel" if topology.gpu0_bsz is not None else "SimulatedDataParallel"
+        expected = "BalancedDataParallel" if topology.gpu0_bsz is not None else "SimulatedDataParallel"
         assert result["wrapped"] == expected
     assert_equivalent(result, single(case), f"{case} under {topology.name}")
 
@@ -130,7 +131,7 @@ def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(tmp_path):
         assert results[case]["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
 
 
-# ---- Controls: stock transformers differs where DESIGN.md says it does ---------------------------------------------
+# ---- Controls: stock transformers differs, as the README says -----------------------------------------------------
 
 
 def test_control_stock_gradient_accumulation_doubles_the_classifier_loss():
@@ -350,8 +351,10 @@ def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel
         ("compute_loss", ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]),
         ("training_step", ["self", "model", "inputs", "num_items_in_batch"]),
         ("get_batch_samples", ["self", "epoch_iterator", "num_batches", "device"]),
-        ("evaluation_loop", ["self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
-                             "metric_key_prefix"]),
+        (
+            "evaluation_loop",
+            ["self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix"],
+        ),
         ("train", ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]),
         ("_finalize_training", ["self", "trial", "num_train_samples", "start_time"]),
         ("_get_num_items_in_batch", ["self", "batch_samples", "device"]),
@@ -372,3 +375,92 @@ def test_question_answering_without_a_sequence_length_is_a_clear_error():
     assert head.count(labels, seq_len=8).tolist() == [2, 1]
     with pytest.raises(ValueError, match="no input_ids or attention_mask"):
         head.count(labels, seq_len=None)
+
+
+# ---- The epoch remainder: the last step of an epoch under DDP trains the real leftover rows only -------------------
+
+# Sequential sampling, so that one device sees rows 0-7, then the leftover rows, as the ranks together do.
+EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}
+EPOCH_RUNS = {
+    # name: (case, rows, per-device batch, gradient accumulation)
+    "classifier, 10 rows, 2 x 4": ("bert_single_label", 10, 4, 1),
+    "classifier, 10 rows, 2 x 2 x GA 2": ("bert_single_label", 10, 2, 2),
+    "causal LM, 10 rows, 2 x 4": ("llama_causal_lm", 10, 4, 1),
+    "causal LM, 10 rows, 2 x 2 x GA 2": ("llama_causal_lm", 10, 2, 2),
+    "QA, 10 rows, 2 x 4": ("bert_question_answering", 10, 4, 1),
+    "classifier, 9 rows, 2 x 4": ("bert_single_label", 9, 4, 1),  # one real row in the last step
+}
+# Iterable training sets have no length: the run needs max_steps, and rank 0 dispatches the batches. (Without GA:
+# for an iterable set, stock carries a step that the epoch's end cuts short into the next epoch.)
+ITERABLE = {"max_steps": 2, "iterable": True}
+EPOCH_RUNS_ITERABLE = {
+    "iterable classifier, 9 rows, 2 x 4": ("bert_single_label", 9, 4, 1),
+    "iterable causal LM, 9 rows, 2 x 4": ("llama_causal_lm", 9, 4, 1),
+}
+
+
+def _epoch_topology(per_device: int, accumulation: int) -> Topology:
+    return Topology(f"DDP 2 x {per_device} x GA {accumulation}", per_device, accumulation, processes=2)
+
+
+def _update_error(result: dict, reference: dict, initial: dict) -> float:
+    """Largest parameter difference from the reference, relative to the largest change the reference made."""
+    update = max((reference[n] - initial[n]).abs().max().item() for n in initial)
+    return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
+
+
+@pytest.fixture(scope="module")
+def epoch_results(tmp_path_factory):
+    runs = {
+        name: (case, _epoch_topology(per_device, accumulation), False, {"train_rows": rows, **EPOCH})
+        for name, (case, rows, per_device, accumulation) in EPOCH_RUNS.items()
+    }
+    for name, (case, rows, per_device, accumulation) in EPOCH_RUNS_ITERABLE.items():
+        runs[name] = (
+            case,
+            _epoch_topology(per_device, accumulation),
+            False,
+            {"train_rows": rows, **EPOCH, **ITERABLE},
+        )
+    # Controls: stock on the first case, and dataloader_drop_last=True (no remainder step at all).
+    runs["stock"] = ("bert_single_label", _epoch_topology(4, 1), True, {"train_rows": 10, **EPOCH})
+    runs["drop_last"] = (
+        "bert_single_label", _epoch_topology(4, 1), False,
+        {"train_rows": 10, "dataloader_drop_last": True, **EPOCH},
+    )  # fmt: skip
+    return run_ddp_runs(runs, tmp_path_factory.mktemp("epoch"))
+
+
+def _one_device(case: str, rows: int, **overrides) -> dict:
+    return run_case(case, Topology("one device x 8", per_device=8), train_rows=rows, **{**EPOCH, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*EPOCH_RUNS, *EPOCH_RUNS_ITERABLE])
+def test_the_last_step_of_an_epoch_equals_one_device_on_the_leftover_rows(name, epoch_results):
+    iterable = name in EPOCH_RUNS_ITERABLE
+    case, rows, _, _ = (EPOCH_RUNS_ITERABLE if iterable else EPOCH_RUNS)[name]
+    result, reference = epoch_results[name], _one_device(case, rows, **(ITERABLE if iterable else {}))
+    assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
+    assert result["max_rank_param_diff"] == 0.0
+    assert len(reference["losses"]) == 2 and len(result["losses"]) == 2  # rows 0-7, then the leftover rows
+    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+    assert result["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5), name
+    initial = {n: p.detach() for n, p in CASES[case].build(0).named_parameters()}
+    assert _update_error(result["params"], reference["params"], initial) < 1e-4, name
+
+
+@pytest.mark.slow
+def test_epoch_remainder_controls(epoch_results):
+    reference = _one_device("bert_single_label", 10)
+    initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
+    # Stock trains the padded duplicates (and doubles the loss under DDP): far from one device.
+    stock = epoch_results["stock"]
+    assert stock["losses"][1] != pytest.approx(reference["losses"][1], rel=1e-2)
+    assert _update_error(stock["params"], reference["params"], initial) > 0.1
+    # dataloader_drop_last=True: one step on rows 0-7, as one device dropping the last 2 rows.
+    dropped = epoch_results["drop_last"]
+    one_step = _one_device("bert_single_label", 10, dataloader_drop_last=True)
+    assert len(dropped["losses"]) == len(one_step["losses"]) == 1
+    assert dropped["losses"] == pytest.approx(one_step["losses"], rel=1e-5)
+    assert _update_error(dropped["params"], one_step["params"], initial) < 1e-4

@@ -1,6 +1,5 @@
-"""The package is a drop-in: same results as stock transformers, new fields parse and validate, the example runs."""
+"""The package is a drop-in: same results as stock transformers, and the example runs."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import HfArgumentParser
 
 import hf_parallel
 from hf_parallel import Trainer, TrainingArguments
@@ -76,62 +74,6 @@ def test_drop_in_single_process_matches_stock(tmp_path):
     assert stock_weights.keys() == ours_weights.keys()
     for name in stock_weights:
         torch.testing.assert_close(ours_weights[name], stock_weights[name], rtol=1e-6, atol=1e-7, msg=name)
-
-
-def test_stock_arguments_are_upgraded(tmp_path):
-    stock = _args(transformers.TrainingArguments, tmp_path, learning_rate=3e-4)
-    trainer = Trainer(model=tiny_bert_classifier(), args=stock, train_dataset=classification_rows(4))
-    assert isinstance(trainer.args, TrainingArguments)
-    assert trainer.args.learning_rate == 3e-4
-    assert trainer.args.exact_loss is True
-    assert trainer.args.gpu0_bsz is None
-
-
-def test_new_fields_parse_from_the_command_line(tmp_path):
-    parser = HfArgumentParser(TrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--gpu0_bsz", "3", "--exact_loss", "False", "--use_cpu", "True"]
-    )
-    assert args.gpu0_bsz == 3
-    assert args.exact_loss is False
-    assert args.gpu0_weight is None
-    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--gpu0_weight", "0.5"])
-    assert args.gpu0_weight == 0.5
-    assert args.exact_loss is True
-
-
-def test_help_lists_the_new_fields():
-    text = HfArgumentParser(TrainingArguments).format_help()
-    for flag in ("--gpu0_bsz", "--gpu0_weight", "--exact_loss"):
-        assert flag in text
-
-
-def test_to_dict_and_json_round_trip(tmp_path):
-    args = _args(TrainingArguments, tmp_path, gpu0_bsz=2, exact_loss=False)
-    as_dict = json.loads(args.to_json_string())
-    assert as_dict["gpu0_bsz"] == 2
-    assert as_dict["exact_loss"] is False
-    assert as_dict["gpu0_weight"] is None
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"gpu0_bsz": -1}, "gpu0_bsz must be >= 0"),
-        ({"gpu0_bsz": 5}, "gpu0_bsz=5 is above GPU 0's even share"),
-        ({"gpu0_bsz": 2.5}, "gpu0_bsz must be a whole number"),
-        ({"gpu0_bsz": 1, "gpu0_weight": 0.5}, "Set at most one of gpu0_bsz (1) and gpu0_weight (0.5)"),
-        ({"gpu0_weight": float("nan")}, "gpu0_weight must be a finite number in [0, 1]"),
-        ({"gpu0_weight": float("inf")}, "got inf"),
-        ({"gpu0_weight": -0.1}, "got -0.1"),
-        ({"gpu0_weight": 1.5}, "got 1.5"),
-        ({"exact_loss": "yes"}, "exact_loss must be True or False"),
-    ],
-)
-def test_bad_values_are_rejected_by_name(tmp_path, kwargs, message):
-    with pytest.raises(ValueError) as excinfo:
-        _args(TrainingArguments, tmp_path, **kwargs)
-    assert message in str(excinfo.value)
 
 
 @pytest.mark.slow

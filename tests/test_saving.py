@@ -27,6 +27,7 @@ from transformers import BertForSequenceClassification
 from hf_parallel import Trainer, TrainingArguments, load_state_dict, unwrap_model
 from hf_parallel.checkpoints import stored_keys
 from hf_parallel.testing import (
+    CpuTransport,
     SimulatedBalancedDataParallel,
     simulate_data_parallel,
     simulated_training_args,
@@ -146,7 +147,7 @@ def test_checkpoints_are_clean_and_resume(case, tmp_path):
         trainer.train()
         if case in ("dp", "balanced_dp", "user_dp", "user_balanced_dp"):  # the topology the case is about
             assert trainer.args.n_gpu == CASES[case]["n_gpu"]
-            assert isinstance(trainer.model_wrapped, nn.DataParallel)
+            assert isinstance(trainer.model_wrapped.transport, CpuTransport)  # the simulated device work
             assert unwrap_model(trainer.model_wrapped) is model
         if case in ("balanced_dp", "user_balanced_dp"):
             assert trainer.model_wrapped.gpu0_bsz == 1 and trainer.args.gpu0_bsz == 1
@@ -218,7 +219,7 @@ def test_load_best_model_at_end_with_user_wrapped_model(tmp_path):
 
 
 def test_stock_trainer_fails_on_a_user_wrapped_model(tmp_path):
-    """The two failures hf_parallel.Trainer fixes (DESIGN.md): no columns left, then a `module.` checkpoint."""
+    """The two failures hf_parallel.Trainer fixes: no columns left, then a `module.` checkpoint."""
     kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments)
     with setup_case("user_dp", tmp_path / "a", **kw) as (stock, _):
         with pytest.raises(ValueError, match="The batch received was empty"):

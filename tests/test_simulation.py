@@ -25,7 +25,8 @@ Pair = namedtuple("Pair", ["first", "second"])
 
 class _CpuScatter:
     """Stands in for torch's Scatter autograd function on CPU: `comm.scatter` without chunk sizes is `tensor.chunk`
-    (torch/nn/parallel/comm.py), so torch's own structure walking in scatter_gather.py can run here."""
+    (`torch.nn.parallel.comm.scatter`), so torch's own structure walking in `torch.nn.parallel.scatter_gather` can run
+    here."""
 
     @staticmethod
     def apply(target_gpus, chunk_sizes, dim, tensor):
@@ -218,6 +219,14 @@ def test_context_patches_and_restores_torch_data_parallel():
             pass
 
 
+def test_the_testing_package_exports_exactly_its_public_names():
+    # The tests import every name the package had as one module (hf_parallel.testing) from the package itself.
+    import hf_parallel.testing as testing
+
+    public = {name for name, value in vars(testing).items() if not name.startswith("_") and callable(value)}
+    assert public == set(testing.__all__)
+
+
 def test_simulated_training_args(tmp_path):
     args = simulated_training_args(
         3, transformers.TrainingArguments, output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none"
@@ -295,7 +304,7 @@ def test_stock_trainer_even_split_matches_single_process(tmp_path):
 def test_stock_trainer_uneven_split_has_the_known_error(tmp_path):
     # 3 rows on 2 devices split [2, 1]. Stock averages the two chunk means and, with the default
     # average_tokens_across_devices=True on a model that takes loss kwargs, multiplies by n_gpu: m1 + m2 instead of
-    # (2 m1 + m2) / 3, about x2.0 (DESIGN.md's table).
+    # (2 m1 + m2) / 3, about x2.0.
     _, loss_1, _ = _stock_run(tmp_path, 1, 3)
     trainer, loss_2, _ = _stock_run(tmp_path, 2, 3)
     assert trainer.model_wrapped.last_chunk_sizes == [2, 1]
@@ -308,4 +317,4 @@ def test_stock_trainer_uneven_split_has_the_known_error(tmp_path):
     assert loss_1 == pytest.approx((2 * m1 + m2) / 3, rel=1e-5)  # the exact mean over the 3 rows
     assert loss_2 == pytest.approx(2 * (m1 + m2) / 2, rel=1e-5)  # n_gpu x the mean of the two chunk means
     print(f"stock / exact logged loss, 3 rows split [2, 1] on 2 simulated devices: {loss_2 / loss_1:.3f}")
-    assert loss_2 / loss_1 == pytest.approx(2.0, rel=0.1)  # DESIGN.md: x2.0 (2.058 with this seed)
+    assert loss_2 / loss_1 == pytest.approx(2.0, rel=0.1)  # x2.0 (2.058 with this seed)

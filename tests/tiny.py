@@ -39,11 +39,23 @@ class ListDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+class IterableRows(torch.utils.data.IterableDataset):
+    """The same rows as an iterable dataset (no length): accelerate then shards it by batches, not by indices."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
 def classification_rows(n: int, seq_len: int = 8, num_labels: int = 2, seed: int = 0) -> ListDataset:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, VOCAB, (n, seq_len), generator=g)
     labels = torch.randint(0, num_labels, (n,), generator=g)
     return ListDataset(
-        [{"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": labels[i]}
-         for i in range(n)]
+        [
+            {"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long), "labels": labels[i]}
+            for i in range(n)
+        ]
     )

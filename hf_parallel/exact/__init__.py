@@ -14,10 +14,13 @@ from .heads import (
     RegressionHead,
     token_losses,
 )
+from .remainder import REAL_ROWS_KEY, EpochEnd, pull_batches, real_rows
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 
 __all__ = [
     "IGNORE_INDEX",
+    "REAL_ROWS_KEY",
+    "EpochEnd",
     "CrossEntropyHead",
     "EvalTotals",
     "ExactLoss",
@@ -28,6 +31,8 @@ __all__ = [
     "RegressionHead",
     "StepCounts",
     "UnsupportedHead",
+    "pull_batches",
+    "real_rows",
     "resolve_head",
     "sequence_length",
     "token_losses",

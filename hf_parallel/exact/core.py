@@ -30,6 +30,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .heads import CrossEntropyHead, LossHead
+from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, real_rows, row_mask
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
@@ -183,9 +184,12 @@ class ExactLoss:
 
     def warn_fallback(self, reason: str) -> None:
         """Warn once per reason that the stock loss is used."""
-        if reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning(f"exact_loss: {reason} This model trains with the stock transformers loss instead.")
+        self.warn_once(f"exact_loss: {reason} This model trains with the stock transformers loss instead.")
+
+    def warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
 
     def usable(self, head: LossHead | None, batches: list[dict]) -> bool:
         """Whether `head` applies to every batch; warns once when a batch lacks its labels."""
@@ -201,17 +205,59 @@ class ExactLoss:
         self, head: LossHead, batches: list[dict], device: torch.device | None = None, main_input_name="input_ids"
     ) -> StepCounts:
         """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
-        counts = sum(head.count(batch, sequence_length(batch, main_input_name)).to(device) for batch in batches)
+        counts = sum(self._count(head, batch, main_input_name).to(device) for batch in batches)
         if self.num_processes == 1:
             return StepCounts(counts, 1)
         # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
         # scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
         return StepCounts(self.reduce_sum(counts), self.num_processes)
 
+    def mark_padding(
+        self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
+    ) -> None:
+        """
+        Mark the padding rows of an epoch's last batch (see `hf_parallel.exact.remainder`), so that they are left out
+        of the counts and sums.
+
+        Args:
+            head (`LossHead`): the step's head.
+            batches (`list[dict]`): this rank's micro-batches of the step; only the last can hold padding.
+            end (`EpochEnd`, *optional*): set when the last batch ends the epoch.
+            process_index (`int`): this rank.
+            pads (`bool`): whether the dataloader pads its last global batch (accelerate's `even_batches`, without
+                `dataloader_drop_last`).
+        """
+        if end is None or not pads or self.num_processes == 1 or not batches:
+            return
+        if end.remainder < 0:
+            self.warn_once(
+                "exact_loss: the training set has no length and each rank reads its own part of it "
+                "(dispatch_batches=False), so the rows accelerate repeats to fill the last step of an epoch cannot be "
+                "told apart; that step trains on them, as stock does. Give the dataset a length, let rank 0 dispatch "
+                "the batches, or set dataloader_drop_last=True."
+            )
+            return
+        last = batches[-1]
+        rows = len(last[head.label_keys[0]])
+        real = real_rows(rows, end.remainder, process_index)
+        if real is not None and real < rows:
+            last[REAL_ROWS_KEY] = real
+
+    @staticmethod
+    def _count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
+        seq_len = sequence_length(batch, main_input_name)
+        real = batch.get(REAL_ROWS_KEY)
+        if real is None:
+            return head.count(batch, seq_len)
+        # The last batch of an epoch under DDP: only its leading rows are real, the rest is padding.
+        return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
+
     def split_labels(self, head: LossHead, inputs: dict, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
         """A copy of `inputs` without the labels, and the labels; decoder inputs built when the model needs them."""
         inputs = dict(inputs)  # the caller's dict keeps its labels
         labels = head.pop_labels(inputs)
+        if REAL_ROWS_KEY in inputs:
+            labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
         if head.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
             # The model builds decoder inputs from the labels it no longer receives.
             inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels["labels"])
@@ -236,7 +282,12 @@ class ExactLoss:
             seq_len = sequence_length(inputs, main_input_name)
             total = step.total() if step is not None else head.count(labels, seq_len).sum()
             return loss_func(outputs, labels["labels"], num_items_in_batch=total) * (step.scale if step else 1)
+        real = labels.pop(REAL_ROWS_KEY, None)
         row_sums, row_counts = head.row_terms(outputs, labels)
+        if real is not None:
+            # Padding rows of an epoch's last step add nothing: not to S, not to the gradient.
+            mask = row_mask(row_sums.shape[0], real, row_sums.device)
+            row_sums, row_counts = row_sums * mask, row_counts * mask
         if step is not None:
             return head.combine(row_sums.sum(0), step.counts) * step.scale
         if self._eval_totals is not None:

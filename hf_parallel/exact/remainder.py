@@ -1,0 +1,78 @@
+"""
+The last step of an epoch under DDP: which rows of it are real.
+
+When an epoch's length is not a multiple of the global batch, accelerate (`even_batches=True`, its default) completes
+the last global batch with rows from the start of the epoch, so that every rank gets a full batch. Those duplicates
+must add nothing to the loss sums, the item count or the gradient, or the last step is not what one device computes
+on the leftover rows. accelerate knows how many rows of that last global batch are real (its `remainder`); ranks hold
+consecutive slices of it, real rows first, so rank r's batch of b rows starts with `clamp(remainder - r * b, 0, b)`
+real rows. That holds for map-style datasets (the remainder is the dataset length modulo the global batch) and for
+iterable ones whose batches rank 0 dispatches (the remainder is the size of the last batch it read). It cannot be
+known for iterable datasets each rank reads itself (`dispatch_batches=False`): accelerate pads those too, and they
+train as stock does.
+
+The Trainer marks a padded batch with `REAL_ROWS_KEY` (the count of its leading real rows); `ExactLoss` then counts and
+sums those rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["REAL_ROWS_KEY", "EpochEnd", "first_rows", "pull_batches", "real_rows", "row_mask"]
+
+#: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added.
+REAL_ROWS_KEY = "hf_parallel_real_rows"
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """The dataloader reached the end of the epoch with the last pulled batch; `remainder` as accelerate reports it
+    (rows of the last global batch that are real; 0: none padded; -1: unknown)."""
+
+    remainder: int
+
+
+def pull_batches(epoch_iterator, num_batches: int, gradient_state) -> tuple[list, EpochEnd | None]:
+    """
+    Up to `num_batches` batches of `epoch_iterator` (the stock loop), and whether the last one ends the epoch, read
+    from accelerate's `GradientState` right after it was pulled (its dataloader is gone once the iterator is spent).
+    """
+    batches, end = [], None
+    for _ in range(num_batches):
+        try:
+            batches.append(next(epoch_iterator))
+        except StopIteration:
+            break
+        if gradient_state.end_of_dataloader:
+            end = EpochEnd(gradient_state.remainder)
+    return batches, end
+
+
+def real_rows(rows: int, remainder: int, process_index: int) -> int | None:
+    """
+    How many leading rows of this rank's last batch (of `rows` rows) are real, or None when none is padding or it
+    cannot be known (`remainder` 0 or -1).
+
+    ```python
+    from hf_parallel.exact.remainder import real_rows
+
+    # 10 rows, 2 ranks x 4 rows: the last global batch holds rows 8 and 9, then 6 duplicates.
+    real_rows(4, remainder=2, process_index=0), real_rows(4, remainder=2, process_index=1)  # (2, 0)
+    ```
+    """
+    if remainder <= 0:
+        return None
+    return max(0, min(rows, remainder - process_index * rows))
+
+
+def first_rows(batch: dict, keys: tuple[str, ...], count: int) -> dict:
+    """The entries `keys` of `batch` (those present), cut to their first `count` rows."""
+    return {key: batch[key][:count] for key in keys if key in batch}
+
+
+def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
+    """`[rows, 1]`: 1 for the first `real` rows, 0 for the padding after them."""
+    return (torch.arange(rows, device=device) < real).unsqueeze(-1)
