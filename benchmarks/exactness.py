@@ -23,7 +23,7 @@ import warnings
 import torch
 import transformers
 
-from tests.equivalence import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
+from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
 from tests.heads import CASES
 
 DDP2 = Topology("DDP 2 ranks", per_device=TRAIN_ROWS // 2, processes=2)

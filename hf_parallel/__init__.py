@@ -12,6 +12,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Trainer": "trainer",
     "TrainingArguments": "training_args",
+    "TrainerMixin": "trainer",
+    "Seq2SeqTrainer": "trainer",
+    "Seq2SeqTrainingArguments": "training_args",
     "BalancedDataParallel": "data_parallel",
     "balanced_chunk_sizes": "data_parallel",
     "suggest_gpu0_bsz": "data_parallel",
@@ -31,6 +34,9 @@ _EXPORTS = {
 __all__ = [
     "Trainer",
     "TrainingArguments",
+    "TrainerMixin",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "BalancedDataParallel",
     "balanced_chunk_sizes",
     "suggest_gpu0_bsz",
@@ -54,8 +60,8 @@ if TYPE_CHECKING:
     from .data_parallel import BalancedDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
     from .teardown import release_distributed
-    from .trainer import Trainer
-    from .training_args import TrainingArguments
+    from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin
+    from .training_args import Seq2SeqTrainingArguments, TrainingArguments
     from .unwrap import unwrap_model
 
 

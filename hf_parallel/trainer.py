@@ -17,38 +17,51 @@ from .data_parallel import balanced_wrapper
 from .exact import ExactLoss, LossHead, StepCounts, pull_batches
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
-from .training_args import TrainingArguments
+from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .upstream import temporarily
 
 logger = logging.get_logger(__name__)
 
 
-class Trainer(transformers.Trainer):
+class TrainerMixin:
     """
-    `transformers.Trainer` with exact losses under DataParallel, DDP and gradient accumulation, balanced
-    DataParallel, and checkpoints that never carry wrapper prefixes. Takes the same arguments as the stock class.
+    hf_parallel for any `transformers.Trainer` subclass: exact losses under DataParallel, DDP and gradient
+    accumulation, balanced DataParallel, clean checkpoints, launch guards. Put it first in the bases:
 
     ```python
-    from hf_parallel import Trainer, TrainingArguments
+    from trl import SFTTrainer
+    from hf_parallel import TrainerMixin
 
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out"), train_dataset=train_ds)
-    trainer.train()
+    class ParallelSFTTrainer(TrainerMixin, SFTTrainer):
+        pass
     ```
+
+    The subclass's arguments class is kept (a TRL config stays a TRL config, with hf_parallel's settings set on it
+    at their defaults); a subclass that computes its own loss (any class in the MRO that overrides `compute_loss`)
+    keeps it, with one warning that says so.
     """
 
+    #: The arguments class this Trainer builds when given none, and upgrades an object of its stock base to; None
+    #: for a subclass that builds its own arguments (then they are kept, with hf_parallel's settings added).
+    args_class: type | None = None
+
     def __init__(self, model=None, args=None, *positional, **kwargs):
-        if args is None:
-            args = TrainingArguments(output_dir="trainer_output")
-        elif not isinstance(args, TrainingArguments):
-            args = TrainingArguments.from_stock(args)
+        given = args
+        if args is None and self.args_class is not None:
+            args = self.args_class(output_dir="trainer_output")
+        args = with_hf_parallel_fields(args, self.args_class)
         # A model the user already wrapped in DataParallel/DDP: stock then trains on empty batches and writes
         # `module.`-prefixed checkpoints. Take the model out (a BalancedDataParallel's split moves into the args).
-        model, args = unwrap_user_model(model, args)
-        # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
-        # args.world_size sets up the devices and the process group, which is what the guards inspect.
-        check_launch(args)
+        if args is not None:
+            model, args = unwrap_user_model(model, args)
+            # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
+            # args.world_size sets up the devices and the process group, which is what the guards inspect.
+            check_launch(args)
         super().__init__(model, args, *positional, **kwargs)
+        if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
+            self.args = args = with_hf_parallel_fields(self.args, None, like=given)
+            check_launch(args)
         if args.world_size > 1:
             # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
             track_trainer(self)
@@ -62,6 +75,12 @@ class Trainer(transformers.Trainer):
             gather_rows=self.accelerator.gather_for_metrics,
             unwrap=self.accelerator.unwrap_model,
         )
+        if args.exact_loss and not args.average_tokens_across_devices:
+            logger.warning(
+                "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
+                "divides by the item count of the whole step, over every device. Set exact_loss=False for the stock "
+                "behaviour."
+            )
 
     # ---- Exact loss (the arithmetic lives in hf_parallel.exact) ----
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
@@ -76,8 +95,11 @@ class Trainer(transformers.Trainer):
 
     def _exact_loss_blocked(self) -> str | None:
         """Why this Trainer cannot use the exact loss at all, or None."""
-        if type(self).compute_loss is not Trainer.compute_loss:
-            return f"{type(self).__name__} overrides compute_loss, which then owns the normalisation."
+        owner = next(
+            (cls for cls in type(self).__mro__ if "compute_loss" in vars(cls) and cls not in _OUR_LOSS_CLASSES), None
+        )
+        if owner is not None:
+            return f"{owner.__name__} overrides compute_loss, which then owns the normalisation."
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
         if any(size > 1 for size in sizes.values()):
             return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
@@ -185,17 +207,20 @@ class Trainer(transformers.Trainer):
         """
         `evaluate()` before `train()` under DDP prepares the bare model in evaluation mode, which marks it as prepared;
         `train()` then asks accelerate to prepare it again, which returns it unwrapped: ranks train without DDP and
-        drift apart silently. Unmark it so that training wraps it. Remove when transformers wraps it: the stock
-        control `tests/test_exact_loss.py::test_control_stock_ddp` asserts the trap and fails once stock behaves.
+        drift apart silently. Unmark it so that training wraps it. With `torch_compile` the evaluation prepare
+        returns the compiled model, which is unmarked too. Remove when transformers wraps it: the stock control
+        `tests/test_exact_loss.py::test_control_stock_ddp` asserts the trap and fails once stock behaves.
         """
-        model = self.model
+        model, wrapped = self.model, self.model_wrapped
         if (
             self.args.parallel_mode == ParallelMode.DISTRIBUTED
-            and self.model_wrapped is model
+            and getattr(wrapped, "_orig_mod", wrapped) is model  # no DDP between them, at most torch.compile's wrapper
             and getattr(model, "_is_accelerate_prepared", False)
         ):
-            model._is_accelerate_prepared = False
-            self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model]
+            for prepared in (model, wrapped):
+                prepared._is_accelerate_prepared = False
+            self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model and m is not wrapped]
+            self.model_wrapped = model
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
     def _plain_weights_checkpoint(self, model: nn.Module | None, checkpoint: str | None) -> bool:
@@ -243,3 +268,53 @@ def _dataset_name(description: str, metric_key_prefix: str) -> str:
     if metric_key_prefix not in ("eval", "test"):
         name += f"[{metric_key_prefix.removeprefix('eval_')!r}]"
     return name
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """
+    `transformers.Trainer` with exact losses under DataParallel, DDP and gradient accumulation, balanced
+    DataParallel, and checkpoints that never carry wrapper prefixes. Takes the same arguments as the stock class;
+    a stock `transformers.TrainingArguments` is upgraded to `hf_parallel.TrainingArguments`.
+
+    ```python
+    from hf_parallel import Trainer, TrainingArguments
+
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out"), train_dataset=train_ds)
+    trainer.train()
+    ```
+    """
+
+    args_class = TrainingArguments
+
+
+class Seq2SeqTrainer(TrainerMixin, transformers.Seq2SeqTrainer):
+    """
+    `transformers.Seq2SeqTrainer` with hf_parallel: generation as stock, and `eval_loss` exact with
+    `predict_with_generate=True` too (one teacher-forced forward per batch besides the generation). A stock
+    `transformers.Seq2SeqTrainingArguments` is upgraded to `hf_parallel.Seq2SeqTrainingArguments`.
+
+    ```python
+    from hf_parallel import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    args = Seq2SeqTrainingArguments(output_dir="out", predict_with_generate=True)
+    Seq2SeqTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds).evaluate()
+    ```
+    """
+
+    args_class = Seq2SeqTrainingArguments
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        if self.args.predict_with_generate and not prediction_loss_only:
+            # Stock computed the loss itself next to the generation: add this batch's exact sums and counts to the
+            # evaluation totals (what its returned loss would have given is replaced by them at the end).
+            inputs = self._prepare_inputs(inputs)
+            head = self._exact_head(inputs)
+            if head is not None and head.has_labels(inputs):
+                with torch.no_grad(), self.compute_loss_context_manager():
+                    self.compute_loss(model, inputs)
+        return output
+
+
+# The classes whose compute_loss is the exact loss or the stock one it falls back to.
+_OUR_LOSS_CLASSES = (TrainerMixin, transformers.Trainer)

@@ -1,8 +1,11 @@
-"""`TrainingArguments` with the fields hf_parallel adds to `transformers.TrainingArguments`."""
+"""The fields hf_parallel adds to `transformers.TrainingArguments` (and to its subclasses): `HfParallelArguments`,
+mixed into `TrainingArguments` and `Seq2SeqTrainingArguments`; `with_hf_parallel_fields` for any other arguments
+class (TRL's configs, a user's own)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import transformers
 
@@ -10,9 +13,10 @@ from .chunking import check_split_options
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
+class HfParallelArguments:
     """
-    `transformers.TrainingArguments` plus the settings of hf_parallel. Every stock field keeps its meaning.
+    The settings of hf_parallel, as a dataclass mixin: put it before a `transformers.TrainingArguments` subclass in
+    the bases (as `TrainingArguments` and `Seq2SeqTrainingArguments` do).
 
     Args:
         exact_loss (`bool`, *optional*, defaults to `True`):
@@ -25,13 +29,10 @@ class TrainingArguments(transformers.TrainingArguments):
         gpu0_weight (`float`, *optional*):
             Like `gpu0_bsz`, but relative: GPU 0 gets `gpu0_weight` times the share of each other GPU
             (0.5 = half a share, 1 = an even split). Set at most one of `gpu0_bsz` and `gpu0_weight`.
-
-    ```python
-    from hf_parallel import TrainingArguments
-
-    args = TrainingArguments(output_dir="out", per_device_train_batch_size=16, gpu0_bsz=8)
-    ```
     """
+
+    #: The transformers class this one extends; an object of exactly that class is upgraded by `from_stock`.
+    stock_class: ClassVar[type] = transformers.TrainingArguments
 
     # Parameters that control the loss
     exact_loss: bool = field(
@@ -65,9 +66,9 @@ class TrainingArguments(transformers.TrainingArguments):
         self._validate_hf_parallel_fields()
 
     @classmethod
-    def from_stock(cls, args: transformers.TrainingArguments) -> TrainingArguments:
+    def from_stock(cls, args: transformers.TrainingArguments) -> HfParallelArguments:
         """
-        Upgrade a stock `transformers.TrainingArguments` to this class, every hf_parallel field at its default.
+        Upgrade a stock arguments object (of `stock_class`) to this class, every hf_parallel field at its default.
 
         The stock object's state is copied as it is (not re-parsed), so whatever its `__post_init__` derived stays.
         """
@@ -93,3 +94,54 @@ class TrainingArguments(transformers.TrainingArguments):
                 f"(per_device_train_batch_size={self.per_device_train_batch_size}); GPU 0 would get more rows "
                 "than the other GPUs. Lower gpu0_bsz or raise per_device_train_batch_size."
             )
+
+
+@dataclass
+class TrainingArguments(HfParallelArguments, transformers.TrainingArguments):
+    """
+    `transformers.TrainingArguments` plus the settings of hf_parallel (see `HfParallelArguments`). Every stock field
+    keeps its meaning.
+
+    ```python
+    from hf_parallel import TrainingArguments
+
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=16, gpu0_bsz=8)
+    ```
+    """
+
+
+@dataclass
+class Seq2SeqTrainingArguments(HfParallelArguments, transformers.Seq2SeqTrainingArguments):
+    """
+    `transformers.Seq2SeqTrainingArguments` (`predict_with_generate`, `generation_*`) plus the settings of
+    hf_parallel (see `HfParallelArguments`).
+
+    ```python
+    from hf_parallel import Seq2SeqTrainingArguments
+
+    args = Seq2SeqTrainingArguments(output_dir="out", predict_with_generate=True)
+    ```
+    """
+
+    stock_class: ClassVar[type] = transformers.Seq2SeqTrainingArguments
+
+
+def with_hf_parallel_fields(args: Any, args_class: type[HfParallelArguments] | None, like: Any = None) -> Any:
+    """
+    The arguments a Trainer with hf_parallel runs with: ours as they are; an object of exactly
+    `args_class.stock_class` upgraded to `args_class`; any other arguments class (a TRL config, a user's own
+    subclass) kept as it is, with the hf_parallel settings it lacks set on it, from `like` (the arguments the user
+    passed, when a Trainer rebuilt them) or at their defaults. Such a class is never converted: its own fields,
+    `to_dict()` and whatever rebuilds it from `to_dict()` stay its own.
+    """
+    if args is None or isinstance(args, HfParallelArguments):
+        return args
+    if args_class is not None and type(args) is args_class.stock_class:
+        return args_class.from_stock(args)
+    if not isinstance(args, transformers.TrainingArguments):
+        raise TypeError(f"args must be a TrainingArguments, got {type(args).__name__}.")
+    for f in fields(HfParallelArguments):
+        if not hasattr(args, f.name):
+            setattr(args, f.name, getattr(like, f.name, f.default))
+    HfParallelArguments._validate_hf_parallel_fields(args)
+    return args

@@ -16,11 +16,12 @@ __all__ = ["HOOKS", "INSTANCE_ATTRIBUTES", "TRAINING_ATTRIBUTES", "Hook", "tempo
 
 
 class Hook(NamedTuple):
-    """A method of `transformers.Trainer` that `hf_parallel.Trainer` overrides or calls, with its parameters."""
+    """A method of a transformers Trainer class (`owner`) that hf_parallel overrides or calls, with its parameters."""
 
     name: str
     parameters: tuple[str, ...]
     why: str
+    owner: str = "Trainer"
 
 
 HOOKS = (
@@ -39,6 +40,12 @@ HOOKS = (
     Hook("_save", ("self", "output_dir", "state_dict"), "no wrapper prefixes in checkpoints"),
     Hook("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"), "resume across wrappers"),
     Hook("_load_best_model", ("self",), "best model across wrappers"),
+    Hook(
+        "prediction_step",
+        ("self", "model", "inputs", "prediction_loss_only", "ignore_keys", "gen_kwargs"),
+        "exact eval_loss with predict_with_generate",
+        owner="Seq2SeqTrainer",
+    ),
 )
 
 # Attributes of a constructed Trainer (or of what it holds) that hf_parallel reads or sets: (owner, name, why).

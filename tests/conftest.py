@@ -8,6 +8,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES  # noqa: E402
+from tests.harness import record_hf_parallel_log  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _restore_environ():
@@ -33,6 +36,21 @@ def _reset_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     PartialState._reset_state()
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No launcher variable is set (WORLD_SIZE, RANK, ACCELERATE_*, ...); returns `monkeypatch`, to set some."""
+    for name in WORLD_SIZE_VARIABLES + LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def hf_parallel_log():
+    """The warnings of the `hf_parallel` loggers during the test: `.records`, `.messages`, `.text`."""
+    with record_hf_parallel_log() as log:
+        yield log
 
 
 def pytest_collection_modifyitems(config, items):

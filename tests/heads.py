@@ -1,8 +1,10 @@
 """
-One tiny model and one dataset per loss head, for the equivalence matrix of the exact loss.
+One tiny model and one dataset per loss head (`CASES`), for the equivalence matrix of the exact loss, and the
+classifier (`CLASSIFIER`) of the tests of how a batch is split.
 
-Every case has uneven numbers of valid items per row (padding, ignored labels, out-of-range answer positions),
-so a split of the batch that averages per-device means is visibly wrong, and at least one row with no valid item.
+Every case of the matrix has uneven numbers of valid items per row (padding, ignored labels, out-of-range answer
+positions), so a split of the batch that averages per-device means is visibly wrong, and at least one row with no
+valid item.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from tests.tiny import VOCAB, ListDataset, tiny_bert_config
+from tests.tiny import VOCAB, ListDataset, classification_rows, tiny_bert_classifier, tiny_bert_config
 
 SEQ = 8
 NUM_LABELS = 3
@@ -80,6 +82,23 @@ def _bart(seed: int):
         use_cache=False,
     )
     return BartForConditionalGeneration(config)
+
+
+def _lora(build: Callable[[int], torch.nn.Module], task_type: str, target_modules: list[str]):
+    """A PEFT LoRA adapter on a case's model, its adapter weights drawn at random (not the zero init of B), so
+    that the first step's gradient reaches both adapter matrices."""
+
+    def wrapped(seed: int):
+        import peft
+
+        model = build(seed)
+        torch.manual_seed(seed + 1)
+        config = peft.LoraConfig(
+            task_type=task_type, r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False
+        )
+        return peft.get_peft_model(model, config)
+
+    return wrapped
 
 
 def _bert(cls, **config):
@@ -226,5 +245,19 @@ CASES = {
             label_smoothing=0.1,
         ),
         Case("gpt2_causal_lm_smoothing", _gpt2, lm_rows, label_smoothing=0.1),
+        Case(
+            "lora_bert_single_label",
+            _lora(_bert(BertForSequenceClassification, num_labels=NUM_LABELS), "SEQ_CLS", ["query", "value"]),
+            single_label_rows,
+        ),
+        Case("lora_llama_causal_lm", _lora(_llama, "CAUSAL_LM", ["q_proj", "v_proj"]), lm_rows),
     )
 }
+
+# Not in the matrix: the tests of how a batch is split train it. A large initializer range puts the logits far from
+# uniform, so the rows' losses differ and a wrong average of per-device means shows.
+CLASSIFIER = Case(
+    "bert_classifier_wide_init",
+    lambda seed: tiny_bert_classifier(seed, initializer_range=0.5),
+    lambda n, seed: classification_rows(n, seed=seed).rows,
+)

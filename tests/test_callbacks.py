@@ -1,7 +1,7 @@
 """
-CleanCheckpointCallback: the stock `transformers.Trainer` given a wrapped model writes clean checkpoints and resumes
-from them. The memory and gpu0_bsz advisor callbacks are tested with BalancedDataParallel, in
-test_balanced_trainer.py.
+The callbacks. CleanCheckpointCallback: the stock `transformers.Trainer` given a wrapped model writes clean
+checkpoints and resumes from them. PeakMemoryCallback and Gpu0BszAdvisorCallback: peak memory per GPU and the
+gpu0_bsz that evens it out, measured through a stand-in for torch.cuda's statistics (no GPU here).
 """
 
 import json
@@ -9,18 +9,21 @@ import os
 
 import pytest
 import safetensors.torch
+import torch
 import transformers
 from torch import nn
 from transformers import TrainerControl, TrainerState
 
-from hf_parallel import CleanCheckpointCallback
+from hf_parallel import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback, suggest_gpu0_bsz
 from hf_parallel.checkpoints import checkpoint_weight_files, stored_keys
-from tests.test_saving import assert_clean_checkpoint, assert_same_weights, setup_case, weights_of
+from tests.harness import Topology, assert_same_weights, run_case, training_args, weights_of
+from tests.heads import CLASSIFIER
+from tests.setups import assert_clean_checkpoint, setup_case
 from tests.tiny import tiny_bert_classifier
 
 
 @pytest.mark.parametrize("case", ["user_dp", "user_compiled"])
-def test_callback_cleans_stock_checkpoints(case, tmp_path, caplog):
+def test_callback_cleans_stock_checkpoints(case, tmp_path, hf_parallel_log):
     kw = dict(trainer_cls=transformers.Trainer, args_cls=transformers.TrainingArguments, remove_unused_columns=False)
     callback = CleanCheckpointCallback()
     with setup_case(case, tmp_path / "run", callbacks=[callback], **kw) as (stock, model):
@@ -32,7 +35,7 @@ def test_callback_cleans_stock_checkpoints(case, tmp_path, caplog):
 
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
     if case == "user_dp":
-        assert "cannot resume from them into the wrapper" in caplog.text
+        assert "cannot resume from them into the wrapper" in hf_parallel_log.text
         # The documented way: stock gets the bare model (and wraps it itself on several GPUs).
         with setup_case("dp", tmp_path / "bare", seed=1, callbacks=[CleanCheckpointCallback()], **kw) as (resumed, _):
             resumed.train(resume_from_checkpoint=checkpoint)
@@ -71,10 +74,87 @@ def test_callback_replaces_every_file_of_a_sharded_prefixed_checkpoint(tmp_path)
     assert len(shards) > 1
 
     callback = CleanCheckpointCallback()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    args = training_args(tmp_path, args_cls=transformers.TrainingArguments)
     callback.on_save(args, TrainerState(global_step=3), TrainerControl(), model=nn.DataParallel(model))
     assert callback.rewritten == [str(checkpoint)]
     assert checkpoint_weight_files(checkpoint, shards=True) == [str(checkpoint / "model.safetensors")]
     assert not any(os.path.exists(p) for p in shards)  # no stale shard of the prefixed weights is left behind
     assert sorted(stored_keys(checkpoint / "model.safetensors")) == sorted(model.state_dict())
     assert_clean_checkpoint(checkpoint, model)
+
+
+# ---- PeakMemoryCallback and Gpu0BszAdvisorCallback ----
+
+
+def test_callbacks_do_nothing_on_cpu():
+    advisor = Gpu0BszAdvisorCallback(after_steps=1)
+    topology = Topology("DP 2", per_device=2, dp_devices=2)
+    callbacks = (PeakMemoryCallback(), advisor)
+    trainer = run_case(CLASSIFIER, topology, train_rows=8, eval_rows=0, max_steps=2, callbacks=callbacks)["trainer"]
+    assert not any(key.startswith("peak_memory") for h in trainer.state.log_history for key in h)
+    assert advisor.suggestion is None and advisor.measured == {}
+
+
+class FakeCuda:
+    """Stands in for torch.cuda's memory statistics, for the callbacks' plumbing on a machine without GPUs."""
+
+    def __init__(self, monkeypatch, peaks):
+        self.peaks = dict(enumerate(peaks))
+        self.resets = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: self.peaks[d])
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.resets.append)
+
+
+def test_peak_memory_logged_per_device_and_reset(monkeypatch, tmp_path):
+    fake = FakeCuda(monkeypatch, [3 * 2**30, 2**30])
+    args = training_args(tmp_path, dp_devices=2)
+    state = TrainerState()
+    state.log_history.append({"loss": 1.0, "step": 1})
+    logs = {"loss": 1.0}
+    PeakMemoryCallback().on_log(args, state, None, logs=logs)
+    assert logs == {"loss": 1.0, "peak_memory_gpu0_mib": 3072.0, "peak_memory_gpu1_mib": 1024.0}
+    assert state.log_history[-1]["peak_memory_gpu1_mib"] == 1024.0
+    assert fake.resets == [0, 1]
+    logs = {}
+    PeakMemoryCallback(reset=False).on_log(args, state, None, logs=logs)
+    assert fake.resets == [0, 1] and logs["peak_memory_gpu0_mib"] == 3072.0
+
+
+def test_advisor_callback_suggests_once(monkeypatch, tmp_path):
+    model = CLASSIFIER.build(0)
+    static = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
+    # Rows [8, 8]: GPU 0 peaks 2 MiB + 8 rows x 64 KiB above GPU 1, i.e. 32 rows' worth: move 16 rows.
+    per_row = 64 * 2**10
+    fake = FakeCuda(monkeypatch, [static + 8 * per_row + 2 * 2**20, static + 8 * per_row])
+    args = training_args(tmp_path, dp_devices=2, per_device_train_batch_size=8)
+    advisor = Gpu0BszAdvisorCallback(after_steps=2)
+    state = TrainerState()
+    state.global_step = 1
+    advisor.on_step_end(args, state, None, model=model)
+    assert advisor.measured is None  # not yet
+    state.global_step = 2
+    advisor.on_step_end(args, state, None, model=model)
+    assert advisor.measured["rows"] == [8, 8]
+    assert advisor.suggestion == suggest_gpu0_bsz(list(map(float, fake.peaks.values())), [8, 8], float(static))
+    assert advisor.suggestion == 0  # 2 MiB / 64 KiB = 32 rows: even GPU 0 with none is still the heavier
+    logs = {}
+    advisor.on_log(args, state, None, logs=logs)
+    assert logs == {"gpu0_bsz_suggested": 0}
+    logs = {}
+    advisor.on_log(args, state, None, logs=logs)
+    assert logs == {}  # logged once
+    with pytest.raises(ValueError, match="after_steps"):
+        Gpu0BszAdvisorCallback(after_steps=0)
+
+
+def test_advisor_uses_the_balanced_split_in_use(monkeypatch, tmp_path):
+    FakeCuda(monkeypatch, [10.0, 10.0, 10.0])
+    args = training_args(tmp_path, dp_devices=3, per_device_train_batch_size=4, gpu0_bsz=2)
+    advisor = Gpu0BszAdvisorCallback(after_steps=1)
+    state = TrainerState()
+    state.global_step = 1
+    advisor.on_step_end(args, state, None, model=None)
+    assert advisor.measured["rows"] == [2, 5, 5]
+    # Equal peaks under the split in use: it already evens memory out, so the advice is the gpu0_bsz in use.
+    assert advisor.suggestion == suggest_gpu0_bsz([10.0, 10.0, 10.0], [2, 5, 5]) == 2

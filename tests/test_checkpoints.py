@@ -6,7 +6,6 @@ only with weights_only) and loading into a model, as permissive as the model's o
 
 import json
 import os
-import warnings
 
 import pytest
 import safetensors.torch
@@ -16,38 +15,8 @@ from transformers import BertForMaskedLM
 
 from hf_parallel import load_state_dict
 from hf_parallel.checkpoints import checkpoint_weight_files, read_state_dict, stored_keys
-from tests.test_unwrap import same_weights
-from tests.tiny import tiny_bert_classifier, tiny_bert_config
-
-
-class TinyRegressor(nn.Module):
-    """A Linear `fc` and a mean squared error, called the way Trainer calls a model: `forward(x, labels)` -> dict."""
-
-    def __init__(self, out_features: int = 3):
-        super().__init__()
-        self.fc = nn.Linear(4, out_features)
-
-    def forward(self, x, labels=None):
-        outputs = {"logits": self.fc(x)}
-        if labels is not None:
-            outputs["loss"] = nn.functional.mse_loss(outputs["logits"], labels)
-        return outputs
-
-
-def qat_model(seed: int, out_features: int = 3, backend: str = "fbgemm") -> TinyRegressor:
-    """
-    A `TinyRegressor` prepared for quantization-aware training with torch.ao's default QAT qconfig: the weight's
-    fake-quantize is per channel, and its scale / zero_point / observer min and max start with a placeholder shape
-    that the first forward, or the module's `_load_from_state_dict`, turns into one value per output channel.
-    """
-    torch.manual_seed(seed)
-    model = TinyRegressor(out_features).train()  # prepare_qat refuses a model in eval mode
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.ao.quantization is deprecated", DeprecationWarning)
-        warnings.filterwarnings("ignore", "Please use quant_min and quant_max", UserWarning)
-        model.qconfig = torch.ao.quantization.get_default_qat_qconfig(backend)
-        return torch.ao.quantization.prepare_qat(model)
-
+from tests.harness import assert_same_weights
+from tests.tiny import TinyRegressor, qat_model, tiny_bert_classifier, tiny_bert_config
 
 # ---- Weight files and their keys ----
 
@@ -125,10 +94,10 @@ def test_load_every_file_format(tmp_path):
         target = tiny_bert_classifier(seed=1)
         result = load_state_dict(target, tmp_path / source_path)
         assert result == ([], []), source_path
-        same_weights(target, source)
+        assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
     target = tiny_bert_classifier(seed=1)
     load_state_dict(target, str(tmp_path / "sharded" / "model.safetensors.index.json"))
-    same_weights(target, source)
+    assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
 
 
 def test_tied_weights_are_not_missing(tmp_path):
@@ -138,7 +107,7 @@ def test_tied_weights_are_not_missing(tmp_path):
     assert len(stored) < len(source.state_dict())  # save_pretrained writes tied weights once
     target = _bert_mlm(1)
     assert load_state_dict(target, tmp_path) == ([], [])
-    same_weights(target, source)
+    assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
     assert target.cls.predictions.decoder.weight is target.bert.embeddings.word_embeddings.weight
 
 
@@ -256,7 +225,7 @@ def test_quantization_aware_model_loads_strictly(backend, file_name, tmp_path):
         assert target.state_dict()[key].shape == shape, key
 
     assert load_state_dict(target, tmp_path, strict=True) == ([], [])
-    same_weights(target, source)
+    assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
     x = torch.randn(3, 4)
     torch.testing.assert_close(target(x)["logits"], source(x)["logits"], rtol=0, atol=0)
 

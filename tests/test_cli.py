@@ -8,7 +8,6 @@ it. User errors are also run as the console script runs them, in a fresh interpr
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -25,9 +24,7 @@ from hf_parallel.commands import gpus as gpu_count
 from hf_parallel.commands.config_plan import SHIPPED_CONFIGS, plan_config, shipped_config, shipped_config_text
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.commands.main import main
-from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT, repo_env
 
 
 @pytest.fixture
@@ -39,13 +36,6 @@ def gpus(monkeypatch):
         monkeypatch.setattr(env_command, "torch_gpu_count", lambda: n)
 
     return set_count
-
-
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for name in WORLD_SIZE_VARIABLES + LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
 
 
 def _config(tmp_path, capsys, *argv) -> tuple[object, str, str]:
@@ -356,9 +346,8 @@ def test_console_script_writes_a_config_accelerate_loads(tmp_path):
 
 def _run_python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """Run `python ARGS` in a fresh interpreter that imports hf_parallel from this checkout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=repo_env(), timeout=120, check=False
     )
 
 

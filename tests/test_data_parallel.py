@@ -3,11 +3,9 @@ decision of when to use it."""
 
 import pytest
 import torch
-import transformers
 from accelerate import Accelerator
 from torch import nn
 from transformers import BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
-from transformers.testing_utils import CaptureLogger
 
 import hf_parallel
 from hf_parallel import BalancedDataParallel, balanced_chunk_sizes, unwrap_model
@@ -17,9 +15,9 @@ from hf_parallel.testing import (
     SimulatedBalancedDataParallel,
     SimulatedDataParallel,
     simulate_data_parallel,
-    simulated_training_args,
 )
 from hf_parallel.transport import CudaTransport, TransportDataParallel
+from tests.harness import training_args
 from tests.tiny import tiny_bert_classifier
 
 # ---- BalancedDataParallel on CPU, over the simulation's transport (only the device work is simulated) ----
@@ -295,16 +293,11 @@ WRAP_CASES = {
 
 
 @pytest.mark.parametrize("case", list(WRAP_CASES))
-def test_balanced_wrapper_decisions(case, tmp_path):
+def test_balanced_wrapper_decisions(case, tmp_path, hf_parallel_log):
     n_devices, options, build, training, loss_kwargs, wraps, warning = WRAP_CASES[case]
-    args = simulated_training_args(
-        n_devices, output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", **options
-    )
-    logger = transformers.utils.logging.get_logger("hf_parallel")
-    transformers.utils.logging.set_verbosity_warning()
-    logger.warning_once.cache_clear()  # warning_once is cached per message for the whole process
+    args = training_args(tmp_path, dp_devices=n_devices, per_device_train_batch_size=2, **options)
     model = build()
-    with simulate_data_parallel(n_devices), CaptureLogger(logger) as captured:
+    with simulate_data_parallel(n_devices):
         wrapped = balanced_wrapper(model, args, Accelerator(cpu=True), training, loss_kwargs)
     if wraps:
         # torch.nn.DataParallel was the simulated class: the balanced wrapper took its CPU transport.
@@ -314,19 +307,19 @@ def test_balanced_wrapper_decisions(case, tmp_path):
     else:
         assert wrapped is None
     if warning is not None:
-        assert captured.out.count(warning) == 1, captured.out
+        assert hf_parallel_log.text.count(warning) == 1, hf_parallel_log.text
     else:
-        assert captured.out == ""
+        assert hf_parallel_log.text == ""
 
 
 def test_balanced_wrapper_refuses_the_stock_loss_with_loss_kwargs(tmp_path):
-    args = simulated_training_args(3, output_dir=str(tmp_path), gpu0_bsz=1, exact_loss=False, report_to="none")
+    args = training_args(tmp_path, dp_devices=3, gpu0_bsz=1, exact_loss=False)
     with pytest.raises(ValueError, match=r"gpu0_bsz=1 with exact_loss=False: LossKwargsProbe accepts loss kwargs"):
         balanced_wrapper(LossKwargsProbe(), args, Accelerator(cpu=True), True, True)
 
 
 def test_balanced_wrapper_without_the_simulation_uses_torch(tmp_path):
-    args = simulated_training_args(3, output_dir=str(tmp_path), gpu0_bsz=1, report_to="none")
+    args = training_args(tmp_path, dp_devices=3, gpu0_bsz=1)
     wrapped = balanced_wrapper(Probe(), args, Accelerator(cpu=True))
     assert type(wrapped) is BalancedDataParallel and type(wrapped.transport) is CudaTransport
 

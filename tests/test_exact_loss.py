@@ -5,9 +5,6 @@ The exact loss: one process with batch 2B == DDP 2 ranks x B == simulated DataPa
 
 from __future__ import annotations
 
-import inspect
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,15 +13,17 @@ from transformers.data.data_collator import default_data_collator
 from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_parallel import Trainer
-from tests.equivalence import (
+from tests.harness import (
+    SGD_STEP,
     SINGLE,
     TRAIN_ROWS,
+    Capture,
     Topology,
-    make_args,
     max_relative_diff,
     run_case,
     run_ddp,
     run_ddp_runs,
+    training_args,
 )
 from tests.heads import CASES, lm_rows
 from tests.tiny import ListDataset
@@ -254,19 +253,13 @@ def sum_over_items(outputs, labels, num_items_in_batch):
 @pytest.mark.parametrize("topology", [SINGLE, IN_PROCESS[0], IN_PROCESS[2]], ids=["single", "GA 2", "DP 3"])
 def test_user_compute_loss_func_stays_exact(tmp_path, topology):
     case = CASES["bert_single_label"]
-    capture_losses = []
-
-    class Log(transformers.TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                capture_losses.append(logs["loss"])
-
+    capture = Capture()
     trainer = Trainer(
         model=case.build(0),
-        args=make_args(transformers.TrainingArguments, str(tmp_path), topology),
+        args=training_args(tmp_path, args_cls=transformers.TrainingArguments, **SGD_STEP, **topology.arguments()),
         train_dataset=case.dataset(TRAIN_ROWS, seed=1),
         compute_loss_func=sum_over_items,
-        callbacks=[Log()],
+        callbacks=[capture],
     )
     if topology.dp_devices > 1:
         from hf_parallel.testing import simulate_data_parallel
@@ -275,7 +268,7 @@ def test_user_compute_loss_func_stays_exact(tmp_path, topology):
             trainer.train()
     else:
         trainer.train()
-    assert capture_losses[0] == pytest.approx(single("bert_single_label")["loss"], rel=TOL)
+    assert capture.losses[0] == pytest.approx(single("bert_single_label")["loss"], rel=TOL)
 
 
 class TinyCustom(torch.nn.Module):
@@ -291,25 +284,7 @@ class TinyCustom(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def hf_parallel_warnings():
-    handler = _Records()
-    logger = logging.getLogger("hf_parallel")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
-
-
-def test_unknown_head_falls_back_to_stock_with_one_warning(tmp_path, hf_parallel_warnings):
+def test_unknown_head_falls_back_to_stock_with_one_warning(tmp_path, hf_parallel_log):
     g = torch.Generator().manual_seed(0)
     rows = [{"x": torch.randn(4, generator=g), "labels": torch.tensor(i % 2)} for i in range(8)]
     losses = {}
@@ -317,17 +292,21 @@ def test_unknown_head_falls_back_to_stock_with_one_warning(tmp_path, hf_parallel
         torch.manual_seed(0)
         trainer = trainer_cls(
             model=TinyCustom(),
-            args=make_args(transformers.TrainingArguments, str(tmp_path / name), IN_PROCESS[0], max_steps=2),
+            args=training_args(
+                tmp_path / name,
+                args_cls=transformers.TrainingArguments,
+                **{**SGD_STEP, **IN_PROCESS[0].arguments(), "max_steps": 2},
+            ),
             train_dataset=ListDataset(rows),
         )
         losses[name] = trainer.train().training_loss
     assert losses["ours"] == losses["stock"]
-    fallbacks = [m for m in hf_parallel_warnings if m.startswith("exact_loss:")]
-    assert len(fallbacks) == 1, hf_parallel_warnings
+    fallbacks = [m for m in hf_parallel_log.messages if m.startswith("exact_loss:")]
+    assert len(fallbacks) == 1, hf_parallel_log.messages
     assert "TinyCustom has no `config`" in fallbacks[0]
 
 
-def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel_warnings):
+def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel_log):
     class MyTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -335,36 +314,11 @@ def test_overridden_compute_loss_falls_back_with_a_warning(tmp_path, hf_parallel
     case = CASES["bert_single_label"]
     trainer = MyTrainer(
         model=case.build(0),
-        args=make_args(transformers.TrainingArguments, str(tmp_path), SINGLE),
+        args=training_args(tmp_path, args_cls=transformers.TrainingArguments, **SGD_STEP, **SINGLE.arguments()),
         train_dataset=case.dataset(TRAIN_ROWS, seed=1),
     )
     trainer.train()
-    assert any("MyTrainer overrides compute_loss" in m for m in hf_parallel_warnings), hf_parallel_warnings
-
-
-# ---- Upstream hooks we rely on: an upgrade that changes them must fail here, loudly ---------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "params"),
-    [
-        ("compute_loss", ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]),
-        ("training_step", ["self", "model", "inputs", "num_items_in_batch"]),
-        ("get_batch_samples", ["self", "epoch_iterator", "num_batches", "device"]),
-        (
-            "evaluation_loop",
-            ["self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix"],
-        ),
-        ("train", ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]),
-        ("_finalize_training", ["self", "trial", "num_train_samples", "start_time"]),
-        ("_get_num_items_in_batch", ["self", "batch_samples", "device"]),
-    ],
-)
-def test_upstream_hook_signatures(name, params):
-    upstream = list(inspect.signature(getattr(transformers.Trainer, name)).parameters)
-    assert upstream == params
-    assert list(inspect.signature(getattr(Trainer, name)).parameters) == params
-    assert hasattr(transformers.Trainer, "loss_is_scaled_for_ga")
+    assert any("MyTrainer overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
 
 
 def test_question_answering_without_a_sequence_length_is_a_clear_error():

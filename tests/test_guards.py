@@ -12,27 +12,8 @@ import transformers
 
 from hf_parallel import Trainer, TrainingArguments, guards, launch_env
 from hf_parallel.commands.env import trainer_mode
-from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES
-from hf_parallel.testing import simulated_training_args
+from tests.harness import training_args
 from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
-
-
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for name in WORLD_SIZE_VARIABLES + LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
-def _args(cls, tmp_path, **kw):
-    return cls(output_dir=str(tmp_path), report_to="none", save_strategy="no", **kw)
-
-
-@pytest.fixture
-def guard_log(caplog):
-    caplog.set_level(logging.WARNING, logger=guards.logger.name)
-    return caplog
-
 
 # ---- launcher_world_size ----
 
@@ -73,14 +54,16 @@ def test_world_size_guard_stops_a_launch_that_did_not_form_a_group(no_launcher, 
     # WORLD_SIZE=2 without a group: what a launcher gives each process when accelerate finds no device backend.
     no_launcher.setenv("WORLD_SIZE", "2")
     # Control: stock transformers takes it and would train alone in each process.
-    stock_args = _args(transformers.TrainingArguments, tmp_path)
+    stock_args = training_args(tmp_path, args_cls=transformers.TrainingArguments, use_cpu=False)
     assert stock_args.world_size == 1
     stock = transformers.Trainer(model=tiny_bert_classifier(), args=stock_args, train_dataset=classification_rows(8))
     assert stock.args.world_size == 1
 
     with pytest.raises(RuntimeError) as info:
         Trainer(
-            model=tiny_bert_classifier(), args=_args(TrainingArguments, tmp_path), train_dataset=classification_rows(8)
+            model=tiny_bert_classifier(),
+            args=training_args(tmp_path, use_cpu=False),
+            train_dataset=classification_rows(8),
         )
     message = str(info.value)
     assert "A launcher started 2 processes (WORLD_SIZE=2)" in message
@@ -92,17 +75,17 @@ def test_world_size_guard_stops_a_launch_that_did_not_form_a_group(no_launcher, 
 def test_world_size_guard_names_the_mpi_variable(no_launcher, tmp_path):
     no_launcher.setenv("OMPI_COMM_WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match=r"started 4 processes \(OMPI_COMM_WORLD_SIZE=4\)"):
-        guards.check_world_size(_args(TrainingArguments, tmp_path))
+        guards.check_world_size(training_args(tmp_path, use_cpu=False))
 
 
-def test_world_size_guard_is_silent_without_a_launcher_or_with_one_process(no_launcher, tmp_path, guard_log):
-    args = _args(TrainingArguments, tmp_path)
+def test_world_size_guard_is_silent_without_a_launcher_or_with_one_process(no_launcher, tmp_path, hf_parallel_log):
+    args = training_args(tmp_path, use_cpu=False)
     guards.check_world_size(args)
     no_launcher.setenv("WORLD_SIZE", "1")
     guards.check_world_size(args)
     trainer = Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(8))
     assert trainer.args.world_size == 1
-    assert guard_log.records == []
+    assert hf_parallel_log.records == []
 
 
 def test_env_report_predicts_the_guard(no_launcher, tmp_path):
@@ -113,7 +96,7 @@ def test_env_report_predicts_the_guard(no_launcher, tmp_path):
     )
     assert mode == "error" and "--use_cpu" in why
     with pytest.raises(RuntimeError):
-        guards.check_world_size(_args(TrainingArguments, tmp_path))
+        guards.check_world_size(training_args(tmp_path, use_cpu=False))
 
 
 # ---- guard 2: CUDA_VISIBLE_DEVICES changed after CUDA was initialised ----
@@ -130,50 +113,50 @@ def cuda_initialised_with(monkeypatch):
     return pretend
 
 
-def test_visible_devices_changed_after_cuda_init_warns(monkeypatch, cuda_initialised_with, guard_log):
+def test_visible_devices_changed_after_cuda_init_warns(monkeypatch, cuda_initialised_with, hf_parallel_log):
     cuda_initialised_with("0,1")
     # Set after init_process_group / CUDA use, as scripts that pick GPUs late do.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     guards.check_visible_devices()
-    (record,) = guard_log.records
+    (record,) = hf_parallel_log.records
     assert record.levelno == logging.WARNING
     assert "CUDA read '0,1', it is now '2,3'" in record.getMessage()
     assert "has no effect" in record.getMessage()
 
 
-def test_visible_devices_set_after_cuda_init_from_unset_warns(monkeypatch, cuda_initialised_with, guard_log):
+def test_visible_devices_set_after_cuda_init_from_unset_warns(monkeypatch, cuda_initialised_with, hf_parallel_log):
     cuda_initialised_with(None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     guards.check_visible_devices()
-    assert "CUDA read None, it is now '0,1,2,3'" in guard_log.records[0].getMessage()
+    assert "CUDA read None, it is now '0,1,2,3'" in hf_parallel_log.records[0].getMessage()
 
 
-def test_visible_devices_unchanged_is_silent(monkeypatch, cuda_initialised_with, guard_log):
+def test_visible_devices_unchanged_is_silent(monkeypatch, cuda_initialised_with, hf_parallel_log):
     cuda_initialised_with("2,3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     guards.check_visible_devices()
-    assert guard_log.records == []
+    assert hf_parallel_log.records == []
 
 
-def test_visible_devices_changed_before_cuda_init_is_silent(monkeypatch, guard_log):
+def test_visible_devices_changed_before_cuda_init_is_silent(monkeypatch, hf_parallel_log):
     # CUDA not initialised yet (always so here): it will read the new value, so the change works.
     assert not torch.cuda.is_initialized()
     monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", "0,1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     guards.check_visible_devices()
-    assert guard_log.records == []
+    assert hf_parallel_log.records == []
 
 
-def test_visible_devices_falls_back_to_the_value_at_import(monkeypatch, guard_log):
+def test_visible_devices_falls_back_to_the_value_at_import(monkeypatch, hf_parallel_log):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", guards._NOT_RECORDED)
     monkeypatch.setattr(guards, "_visible_devices_at_import", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     guards.check_visible_devices()
-    assert "CUDA read '1', it is now '0'" in guard_log.records[0].getMessage()
+    assert "CUDA read '1', it is now '0'" in hf_parallel_log.records[0].getMessage()
 
 
-def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, guard_log):
+def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, hf_parallel_log):
     # guards registered a call that torch runs inside torch.cuda._lazy_init; run it as torch would.
     assert not torch.cuda.is_initialized()
     queued = [call for call, _ in torch.cuda._queued_calls if call is guards._record_visible_devices_at_cuda_init]
@@ -186,51 +169,51 @@ def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, guard_log):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     guards.check_visible_devices()
-    assert "CUDA read '5,6', it is now '0'" in guard_log.records[0].getMessage()
+    assert "CUDA read '5,6', it is now '0'" in hf_parallel_log.records[0].getMessage()
 
 
 # ---- guard 3: DataParallel over several GPUs ----
 
 
-def test_data_parallel_hint_names_the_launch_command(no_launcher, tmp_path, guard_log):
-    args = simulated_training_args(2, output_dir=str(tmp_path), report_to="none", save_strategy="no")
+def test_data_parallel_hint_names_the_launch_command(no_launcher, tmp_path, hf_parallel_log):
+    args = training_args(tmp_path, dp_devices=2)
     assert args.n_gpu == 2 and args.parallel_mode.value == "not_distributed"
     Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(8))
-    hints = [r.getMessage() for r in guard_log.records if "DataParallel" in r.getMessage()]
+    hints = [r.getMessage() for r in hf_parallel_log.records if "DataParallel" in r.getMessage()]
     assert len(hints) == 1
     assert "\n" not in hints[0]
     assert "nn.DataParallel over 2 GPUs" in hints[0]
     assert "accelerate launch --num_processes 2" in hints[0]
 
 
-def test_no_data_parallel_hint_on_one_device(no_launcher, tmp_path, guard_log):
-    args = _args(TrainingArguments, tmp_path, use_cpu=True)
+def test_no_data_parallel_hint_on_one_device(no_launcher, tmp_path, hf_parallel_log):
+    args = training_args(tmp_path)
     assert args.n_gpu == 0
     guards.check_data_parallel(args)
-    assert guard_log.records == []
+    assert hf_parallel_log.records == []
 
 
 @pytest.mark.gpu
-def test_visible_devices_guard_on_a_real_gpu(monkeypatch, guard_log):
+def test_visible_devices_guard_on_a_real_gpu(monkeypatch, hf_parallel_log):
     # Not run on CPU machines. CUDA reads CUDA_VISIBLE_DEVICES when it initialises; the value is recorded then.
     before = torch.cuda.device_count()
     torch.zeros(1, device="cuda")
     assert torch.cuda.is_initialized()
     assert guards._visible_devices_at_cuda_init == os.environ.get("CUDA_VISIBLE_DEVICES")
     guards.check_visible_devices()
-    assert guard_log.records == []
+    assert hf_parallel_log.records == []
     # Change it afterwards, as scripts that pick GPUs late do. It has no effect (same devices), and the guard says so.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if before > 1 else "")
     assert torch.cuda.device_count() == before
     guards.check_visible_devices()
-    assert "has no effect" in guard_log.records[0].getMessage()
+    assert "has no effect" in hf_parallel_log.records[0].getMessage()
 
 
 # ---- Empty data: a clear error before the loop, where stock runs 0 steps or reports no loss ----
 
 
 def _empty_data_trainer(trainer_cls, args_cls, tmp_path, train_rows: int, eval_rows: int):
-    args = args_cls(output_dir=str(tmp_path), use_cpu=True, max_steps=2, report_to=[], save_strategy="no")
+    args = training_args(tmp_path, args_cls=args_cls, max_steps=2)
     return trainer_cls(
         model=tiny_bert_classifier(),
         args=args,

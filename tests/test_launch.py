@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from transformers import BertForSequenceClassification
 
 from hf_parallel.commands.main import main as cli_main
+from tests.paths import ROOT, repo_env
 from tests.processes import Finished, run_together
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 CPU_CONFIG = ROOT / "hf_parallel" / "configs" / "cpu_ddp.yaml"
 PER_RANK_BATCH = 8
@@ -59,8 +59,7 @@ def _train_flags(model_dir: Path, output_dir: Path, batch: int) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, **DDP_LOG_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = repo_env(**DDP_LOG_ENV)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     return env

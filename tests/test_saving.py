@@ -1,12 +1,10 @@
 """
 hf_parallel.Trainer saves clean checkpoints and resumes from them in every set-up, a quantization-aware-training model
 included; a training killed with SIGKILL resumes to the same weights. CleanCheckpointCallback, which does the same for
-the stock Trainer: test_callbacks.py, with the harness of this file.
+the stock Trainer: test_callbacks.py. The set-ups: tests/setups.py.
 """
 
-import contextlib
 import faulthandler
-import inspect
 import os
 import shutil
 import signal
@@ -25,128 +23,24 @@ from torch import nn
 from transformers import BertForSequenceClassification
 
 from hf_parallel import Trainer, TrainingArguments, load_state_dict, unwrap_model
-from hf_parallel.checkpoints import stored_keys
-from hf_parallel.testing import (
-    CpuTransport,
-    SimulatedBalancedDataParallel,
-    simulate_data_parallel,
-    simulated_training_args,
-    spawn_cpu_ranks,
-)
+from hf_parallel.testing import CpuTransport, SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
 from tests.distributed.save_train_worker import MAX_STEPS, make_trainer
-from tests.test_checkpoints import qat_model
-from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
+from tests.harness import assert_same_weights, training_args, weights_of
+from tests.paths import ROOT, repo_env
+from tests.setups import SAVING, SETUPS, assert_clean_checkpoint, setup_case, stored_key_set
+from tests.tiny import ListDataset, classification_rows, qat_model, tiny_bert_classifier
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "save_train_worker.py"
-
-WRAPPER_PARTS = {"module", "_orig_mod"}
-
-# How each set-up is built: the args, the model handed to the Trainer, and the simulated GPUs (0: none).
-CASES = {
-    "plain": dict(),
-    "dp": dict(n_gpu=2),
-    "balanced_dp": dict(n_gpu=3, args=dict(gpu0_bsz=1)),
-    "compile": dict(args=dict(torch_compile=True, torch_compile_backend="eager")),
-    "user_dp": dict(n_gpu=2, wrap=lambda m: nn.DataParallel(m)),
-    "user_balanced_dp": dict(n_gpu=3, wrap=lambda m: SimulatedBalancedDataParallel(m, gpu0_bsz=1, n_devices=3)),
-    # A model compiled by the user: stock's column filter sees only `forward(*args, **kwargs)`, so keep every column.
-    "user_compiled": dict(wrap=lambda m: torch.compile(m, backend="eager"), args=dict(remove_unused_columns=False)),
-}
-
-
-def _args_kw(output_dir, **kw):
-    base = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=2,
-        max_steps=4,
-        save_steps=2,
-        save_strategy="steps",
-        learning_rate=1e-2,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        logging_steps=100,
-    )
-    base.update(kw)
-    return base
-
-
-@contextlib.contextmanager
-def setup_case(
-    case,
-    output_dir,
-    seed=0,
-    trainer_cls=Trainer,
-    args_cls=TrainingArguments,
-    callbacks=None,
-    eval_dataset=None,
-    **extra,
-):
-    spec = CASES[case]
-    kw = _args_kw(output_dir, **{**spec.get("args", {}), **extra})
-    n_gpu = spec.get("n_gpu", 0)
-    with simulate_data_parallel(n_gpu) if n_gpu else contextlib.nullcontext():
-        args = simulated_training_args(n_gpu, args_cls, **kw) if n_gpu else args_cls(**kw)
-        model = tiny_bert_classifier(seed=seed)
-        handed = spec.get("wrap", lambda m: m)(model)
-        trainer = trainer_cls(
-            model=handed,
-            args=args,
-            train_dataset=classification_rows(24, seed=1),
-            eval_dataset=eval_dataset,
-            callbacks=callbacks,
-        )
-        yield trainer, model
-
-
-def weights_of(model):
-    return {k: v.detach().clone() for k, v in unwrap_model(model).state_dict().items()}
-
-
-def assert_same_weights(a, b, atol=1e-6):
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
-
-
-def _stored_keys(checkpoint):
-    return set(stored_keys(os.path.join(checkpoint, "model.safetensors")))
-
-
-PROBE = classification_rows(6, seed=7)
-
-
-def _logits(model):
-    batch = {k: torch.stack([r[k] for r in PROBE.rows]) for k in ("input_ids", "attention_mask")}
-    model.eval()
-    with torch.no_grad():
-        return unwrap_model(model)(**batch).logits
-
-
-def assert_clean_checkpoint(checkpoint, trained, same_step=True):
-    """The checkpoint has exactly the model's keys; from_pretrained rebuilds the same predictions (same_step)."""
-    inner = unwrap_model(trained)
-    keys = _stored_keys(checkpoint)
-    assert not any(WRAPPER_PARTS & set(k.split(".")) for k in keys), sorted(keys)[:3]
-    assert keys == set(inner.state_dict())
-    reloaded, info = BertForSequenceClassification.from_pretrained(checkpoint, output_loading_info=True)
-    assert info["missing_keys"] == set() or info["missing_keys"] == []
-    assert not info["unexpected_keys"] and not info["mismatched_keys"]
-    if same_step:
-        torch.testing.assert_close(_logits(reloaded), _logits(inner), rtol=0, atol=1e-6)
-
 
 SLOW_CASES = {"compile", "user_compiled"}  # compilation takes seconds, even with the eager backend
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in SETUPS])
 def test_checkpoints_are_clean_and_resume(case, tmp_path):
     with setup_case(case, tmp_path / "run") as (trainer, model):
         trainer.train()
         if case in ("dp", "balanced_dp", "user_dp", "user_balanced_dp"):  # the topology the case is about
-            assert trainer.args.n_gpu == CASES[case]["n_gpu"]
+            assert trainer.args.n_gpu == SETUPS[case]["n_gpu"]
             assert isinstance(trainer.model_wrapped.transport, CpuTransport)  # the simulated device work
             assert unwrap_model(trainer.model_wrapped) is model
         if case in ("balanced_dp", "user_balanced_dp"):
@@ -193,7 +87,7 @@ def test_resume_fails_loudly_on_another_model(tmp_path):
         trainer.train()
     trainer = Trainer(
         model=tiny_bert_classifier(num_labels=3),
-        args=TrainingArguments(**_args_kw(tmp_path / "other")),
+        args=training_args(tmp_path / "other", **SAVING),
         train_dataset=classification_rows(24, num_labels=3),
     )
     with pytest.raises(ValueError, match=r"shapes differ .*classifier"):
@@ -226,7 +120,7 @@ def test_stock_trainer_fails_on_a_user_wrapped_model(tmp_path):
             stock.train()
     with setup_case("user_dp", tmp_path / "b", remove_unused_columns=False, **kw) as (stock, _):
         stock.train()
-    keys = _stored_keys(tmp_path / "b" / "checkpoint-2")
+    keys = stored_key_set(tmp_path / "b" / "checkpoint-2")
     assert all(k.startswith("module.") for k in keys)
     _, info = BertForSequenceClassification.from_pretrained(tmp_path / "b" / "checkpoint-2", output_loading_info=True)
     assert "classifier.weight" in info["missing_keys"]  # from_pretrained "loads" it: every weight random
@@ -240,7 +134,8 @@ def _qat_trainer(trainer_cls, args_cls, output_dir, seed):
     x, y = torch.randn(16, 4, generator=g), torch.randn(16, 3, generator=g)
     rows = ListDataset([{"x": x[i], "labels": y[i]} for i in range(16)])
     # qat_model's per-channel observers start with a placeholder shape: (1,) scales, (0,) minima and maxima.
-    return trainer_cls(model=qat_model(seed), args=args_cls(**_args_kw(output_dir)), train_dataset=rows)
+    args = training_args(output_dir, args_cls=args_cls, **SAVING)
+    return trainer_cls(model=qat_model(seed), args=args, train_dataset=rows)
 
 
 @pytest.mark.parametrize("trainer_cls", [Trainer, transformers.Trainer], ids=["ours", "stock"])
@@ -274,7 +169,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
             [sys.executable, str(WORKER), str(killed), "5"],
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env=repo_env(HF_HUB_OFFLINE="1"),
         )
     try:
         deadline = time.monotonic() + 120
@@ -317,7 +212,7 @@ def _ddp_worker(output_dir):
     state = PartialState()
     for wrap_by_user in (False, True):
         run = Path(output_dir) / ("user_ddp" if wrap_by_user else "ddp")
-        args = TrainingArguments(**_args_kw(run))
+        args = training_args(run, **SAVING)
         assert args.world_size == 2 and args.parallel_mode == ParallelMode.DISTRIBUTED
         model = tiny_bert_classifier(seed=0)
         handed = nn.parallel.DistributedDataParallel(model) if wrap_by_user else model
@@ -333,7 +228,7 @@ def _ddp_worker(output_dir):
 
         resumed = Trainer(
             model=tiny_bert_classifier(seed=1 + state.process_index),  # differs across ranks, too
-            args=TrainingArguments(**_args_kw(run / "resumed")),
+            args=training_args(run / "resumed", **SAVING),
             train_dataset=classification_rows(24, seed=1),
         )
         resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
@@ -354,25 +249,6 @@ def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
 
 
-# ---- The private hooks we override must keep their upstream signatures ----
-
-OVERRIDDEN_PRIVATE_HOOKS = {
-    "_save": ["self", "output_dir", "state_dict"],
-    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
-    "_load_best_model": ["self"],
-}
-
-
-@pytest.mark.parametrize("name", list(OVERRIDDEN_PRIVATE_HOOKS))
-def test_private_hook_signatures(name):
-    upstream = inspect.signature(getattr(transformers.Trainer, name))
-    ours = inspect.signature(getattr(Trainer, name))
-    assert list(upstream.parameters) == OVERRIDDEN_PRIVATE_HOOKS[name], f"transformers changed Trainer.{name}"
-    assert list(ours.parameters) == list(upstream.parameters)
-    for param in upstream.parameters.values():
-        assert ours.parameters[param.name].default == param.default, (name, param.name)
-
-
 def test_load_state_dict_is_the_public_loader(tmp_path):
     with setup_case("user_dp", tmp_path) as (trainer, model):
         trainer.train()
@@ -383,16 +259,16 @@ def test_load_state_dict_is_the_public_loader(tmp_path):
 
 def test_user_balanced_wrapper_settings(tmp_path):
     with simulate_data_parallel(3):
-        args = simulated_training_args(3, **_args_kw(tmp_path))
+        args = training_args(tmp_path, dp_devices=3, **SAVING)
         wrapped = SimulatedBalancedDataParallel(tiny_bert_classifier(), gpu0_bsz=1, n_devices=3)
         trainer = Trainer(model=wrapped, args=args, train_dataset=classification_rows(8))
         assert trainer.model is wrapped.module
         assert trainer.args.gpu0_bsz == 1
         assert args.gpu0_bsz is None  # the caller's arguments are left as they were
 
-        conflicting = simulated_training_args(3, **_args_kw(tmp_path, gpu0_bsz=2))
+        conflicting = training_args(tmp_path, dp_devices=3, **SAVING, gpu0_bsz=2)
         with pytest.raises(ValueError, match=r"wrapped in SimulatedBalancedDataParallel\(gpu0_bsz=1\) but the .*=2"):
             Trainer(model=wrapped, args=conflicting, train_dataset=classification_rows(8))
-        other = simulated_training_args(3, **_args_kw(tmp_path, gpu0_weight=0.5))
+        other = training_args(tmp_path, dp_devices=3, **SAVING, gpu0_weight=0.5)
         with pytest.raises(ValueError, match=r"\(gpu0_bsz=1\) but the TrainingArguments set gpu0_weight=0.5"):
             Trainer(model=wrapped, args=other, train_dataset=classification_rows(8))

@@ -1,12 +1,12 @@
 """The CPU simulation of nn.DataParallel (hf_parallel.testing) against torch's own scatter/gather and stock Trainer."""
 
+import dataclasses
 from collections import namedtuple
 
 import pytest
 import torch
 import transformers
 from torch.nn.parallel import scatter_gather
-from transformers import BertForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_parallel.data_parallel import torch_chunk_sizes
@@ -18,7 +18,8 @@ from hf_parallel.testing import (
     simulated_scatter_kwargs,
     simulated_training_args,
 )
-from tests.tiny import classification_rows, tiny_bert_config
+from tests.harness import Topology, run_case
+from tests.heads import CLASSIFIER
 
 Pair = namedtuple("Pair", ["first", "second"])
 
@@ -244,69 +245,52 @@ def test_simulated_training_args(tmp_path):
 # ---- Stock transformers.Trainer under simulated DataParallel ----
 
 
-def _model():
-    # A large initializer range so per-row losses differ: with near-uniform logits every row's loss is ln 2 and a
-    # wrong average would go unnoticed.
-    torch.manual_seed(0)
-    return BertForSequenceClassification(tiny_bert_config(num_labels=2, initializer_range=0.5))
-
-
 def _record_chunks(module, args, kwargs, output):
     module.seen_chunks.append((kwargs["labels"].detach(), output.logits.detach()))
 
 
-def _stock_run(tmp_path, n_devices, rows, **kw):
-    model = _model()
+def _recording_classifier(seed: int):
+    model = CLASSIFIER.build(seed)
     model.seen_chunks = []
     model.register_forward_hook(_record_chunks, with_kwargs=True)
-    common = dict(
-        output_dir=str(tmp_path),
-        # One step over all the rows: a short last batch when rows is not a multiple of n_devices.
-        per_device_train_batch_size=-(-rows // n_devices),
-        max_steps=1,
-        learning_rate=0.1,
-        optim="sgd",
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        **kw,
-    )
-    data = classification_rows(rows, seed=1)
-    if n_devices == 1:
-        trainer = transformers.Trainer(
-            model=model, args=transformers.TrainingArguments(use_cpu=True, **common), train_dataset=data
-        )
-        trainer.train()
-    else:
-        args = simulated_training_args(n_devices, transformers.TrainingArguments, **common)
-        with simulate_data_parallel(n_devices):
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-            trainer.train()
-        assert isinstance(trainer.model_wrapped, SimulatedDataParallel)
-    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    return trainer, loss, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model
 
 
-def test_stock_trainer_even_split_matches_single_process(tmp_path):
+# The classifier, recording the labels and logits of every chunk a replica ran.
+RECORDING = dataclasses.replace(CLASSIFIER, name="recording classifier", build=_recording_classifier)
+
+
+def _stock_run(n_devices: int, rows: int, **overrides) -> dict:
+    # One step over all the rows: a short last batch when rows is not a multiple of n_devices.
+    topology = Topology(f"stock DP {n_devices}", per_device=-(-rows // n_devices), dp_devices=n_devices)
+    result = run_case(RECORDING, topology, stock=True, train_rows=rows, eval_rows=0, **overrides)
+    if n_devices > 1:
+        assert isinstance(result["trainer"].model_wrapped, SimulatedDataParallel)
+    return result
+
+
+def test_stock_trainer_even_split_matches_single_process():
     # Mean of equal-size chunk means = full-batch mean. Averaging over devices off, so stock does not multiply the
     # loss by n_gpu (its num_items_in_batch scaling, which a mean-loss head ignores).
-    _, loss_1, params_1 = _stock_run(tmp_path, 1, 4, average_tokens_across_devices=False)
-    trainer, loss_2, params_2 = _stock_run(tmp_path, 2, 4, average_tokens_across_devices=False)
+    one = _stock_run(1, 4, average_tokens_across_devices=False)
+    two = _stock_run(2, 4, average_tokens_across_devices=False)
+    trainer = two["trainer"]
     assert trainer.args.n_gpu == 2 and trainer.args.train_batch_size == 4
     assert trainer.model_wrapped.last_chunk_sizes == [2, 2]
-    assert loss_2 == pytest.approx(loss_1, rel=1e-5)
-    for name in params_1:
-        torch.testing.assert_close(params_2[name], params_1[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert any(not torch.equal(params_1[n], _model().state_dict()[n]) for n in params_1)  # it did train
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for name in one["params"]:
+        torch.testing.assert_close(two["params"][name], one["params"][name], rtol=1e-5, atol=1e-7, msg=name)
+    initial = dict(CLASSIFIER.build(0).named_parameters())
+    assert any(not torch.equal(one["params"][n], initial[n]) for n in initial)  # it did train
 
 
-def test_stock_trainer_uneven_split_has_the_known_error(tmp_path):
+def test_stock_trainer_uneven_split_has_the_known_error():
     # 3 rows on 2 devices split [2, 1]. Stock averages the two chunk means and, with the default
     # average_tokens_across_devices=True on a model that takes loss kwargs, multiplies by n_gpu: m1 + m2 instead of
     # (2 m1 + m2) / 3, about x2.0.
-    _, loss_1, _ = _stock_run(tmp_path, 1, 3)
-    trainer, loss_2, _ = _stock_run(tmp_path, 2, 3)
+    loss_1 = _stock_run(1, 3)["loss"]
+    two = _stock_run(2, 3)
+    trainer, loss_2 = two["trainer"], two["loss"]
     assert trainer.model_wrapped.last_chunk_sizes == [2, 1]
     # The per-chunk mean losses, from what each replica actually received (the sampler shuffles the rows).
     chunk_means = [

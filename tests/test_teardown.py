@@ -8,16 +8,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from hf_parallel import Trainer, TrainingArguments, release_distributed
+from hf_parallel import Trainer, release_distributed
 from hf_parallel.testing import spawn_cpu_ranks
+from tests.harness import training_args
 from tests.tiny import classification_rows, tiny_bert_classifier
 
 
 def _train_then_release(output_dir: str) -> None:
-    args = TrainingArguments(
-        output_dir=output_dir, use_cpu=True, per_device_train_batch_size=2, max_steps=1, report_to=[],
-        save_strategy="no",
-    )  # fmt: skip
+    args = training_args(output_dir, per_device_train_batch_size=2, max_steps=1)
     trainer = Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(8))
     assert args.world_size == 2
     trainer.train()
@@ -38,6 +36,6 @@ def test_the_exit_hook_is_registered_for_distributed_trainers_only(tmp_path, mon
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr("hf_parallel.teardown._registered", False)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args = training_args(tmp_path)
     Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(4))
     assert registered == []  # one process: nothing to release

@@ -12,6 +12,7 @@ from torch import nn
 
 from hf_parallel import BalancedDataParallel, load_state_dict, unwrap_model
 from hf_parallel.unwrap import clean_state_dict, has_wrapper_prefixes, match_keys
+from tests.harness import assert_same_weights
 from tests.tiny import tiny_bert_classifier
 
 
@@ -32,14 +33,6 @@ def gloo_world_of_one(tmp_path):
 
 def _ddp(module):
     return nn.parallel.DistributedDataParallel(module)
-
-
-def same_weights(a: nn.Module, b: nn.Module) -> None:
-    """Both state dicts hold the same keys and bit-equal values (shared with test_checkpoints.py)."""
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        torch.testing.assert_close(sa[name], sb[name], rtol=0, atol=0, msg=name)
 
 
 WRAPPER_STACKS = {
@@ -73,11 +66,11 @@ def test_unwrap_any_nesting(stack, gloo_world_of_one):
     fresh = tiny_bert_classifier(seed=1)
     result = load_state_dict(fresh, wrapped.state_dict())
     assert result.missing_keys == [] and result.unexpected_keys == []
-    same_weights(fresh, model)
+    assert_same_weights(fresh.state_dict(), model.state_dict(), atol=0)
     # ... and into a wrapped target: the weights land in the inner model.
     target = tiny_bert_classifier(seed=2)
     load_state_dict(nn.DataParallel(_compiled(target)), wrapped.state_dict())
-    same_weights(target, model)
+    assert_same_weights(target.state_dict(), model.state_dict(), atol=0)
 
 
 def test_unwrap_plain_and_bad_input():
@@ -117,9 +110,9 @@ def test_real_submodule_named_module_is_kept():
     source = Holder()
     target = Holder()
     load_state_dict(target, nn.DataParallel(source).state_dict())  # module.module.weight -> module.weight
-    same_weights(target, source)
+    assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
     load_state_dict(target, source.state_dict())
-    same_weights(target, source)
+    assert_same_weights(target.state_dict(), source.state_dict(), atol=0)
 
 
 def test_same_weight_under_two_prefixes_is_an_error():

@@ -8,36 +8,40 @@ import inspect
 import pytest
 import transformers
 
-from hf_parallel import Trainer, TrainingArguments
+from hf_parallel import Seq2SeqTrainer, Trainer, TrainerMixin
 from hf_parallel.upstream import HOOKS, INSTANCE_ATTRIBUTES, TRAINING_ATTRIBUTES, temporarily
+from tests.harness import training_args
 from tests.tiny import classification_rows, tiny_bert_classifier
 
+OURS = {"Trainer": Trainer, "Seq2SeqTrainer": Seq2SeqTrainer}
 
-@pytest.mark.parametrize("hook", HOOKS, ids=[hook.name for hook in HOOKS])
+
+@pytest.mark.parametrize("hook", HOOKS, ids=[f"{hook.owner}.{hook.name}" for hook in HOOKS])
 def test_hook_signatures_match_upstream(hook):
-    upstream = inspect.signature(getattr(transformers.Trainer, hook.name))
-    assert tuple(upstream.parameters) == hook.parameters, f"transformers changed Trainer.{hook.name}"
-    ours = inspect.signature(getattr(Trainer, hook.name))
+    upstream = inspect.signature(getattr(getattr(transformers, hook.owner), hook.name))
+    assert tuple(upstream.parameters) == hook.parameters, f"transformers changed {hook.owner}.{hook.name}"
+    ours = inspect.signature(getattr(OURS[hook.owner], hook.name))
     assert tuple(ours.parameters) == hook.parameters
     for param in upstream.parameters.values():
         assert ours.parameters[param.name].default == param.default, (hook.name, param.name)
 
 
-def test_every_overridden_hook_is_in_the_table():
+@pytest.mark.parametrize(
+    ("ours", "stock"), [(TrainerMixin, transformers.Trainer), (Seq2SeqTrainer, transformers.Seq2SeqTrainer)]
+)
+def test_every_overridden_hook_is_in_the_table(ours, stock):
     listed = {hook.name for hook in HOOKS}
     overridden = {
         name
-        for name, value in vars(Trainer).items()
-        if callable(value) and not name.startswith("__") and hasattr(transformers.Trainer, name)
+        for name, value in vars(ours).items()
+        if callable(value) and not name.startswith("__") and hasattr(stock, name)
     }
+    assert overridden, f"{ours.__name__} overrides nothing of {stock.__name__}?"
     assert overridden <= listed, f"overrides missing from hf_parallel.upstream.HOOKS: {sorted(overridden - listed)}"
 
 
 def test_attributes_we_rely_on_exist(tmp_path):
-    args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, max_steps=1, per_device_train_batch_size=2, report_to=[],
-        save_strategy="no",
-    )  # fmt: skip
+    args = training_args(tmp_path, max_steps=1, per_device_train_batch_size=2)
     trainer = Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(4))
     owners = {"trainer": trainer, "accelerator": trainer.accelerator}
     for owner, name, why in INSTANCE_ATTRIBUTES:

@@ -184,7 +184,9 @@ class ExactLoss:
 
     def warn_fallback(self, reason: str) -> None:
         """Warn once per reason that the stock loss is used."""
-        self.warn_once(f"exact_loss: {reason} This model trains with the stock transformers loss instead.")
+        self.warn_once(
+            f"exact_loss: {reason} The loss is left to the Trainer: the stock transformers loss, or a subclass's own."
+        )
 
     def warn_once(self, message: str) -> None:
         if message not in self._warned:

@@ -84,6 +84,8 @@ class LossHead:
     builds_decoder_inputs: bool = False
     #: Whether the targets are the labels shifted by one position (decoder-only LMs).
     shift: bool = False
+    #: Whether the logits have one row per label position (LMs, token classification), not one per sample.
+    per_position: bool = False
 
     def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
         self.label_keys = tuple(label_keys)
@@ -149,6 +151,8 @@ class CrossEntropyHead(LossHead):
             `shift_labels` entry in the batch (padding-free packing) is then used as the targets as it is.
         smoothing (`float`, *optional*, defaults to 0): label smoothing epsilon.
         builds_decoder_inputs (`bool`, *optional*, defaults to `False`): encoder-decoder LMs.
+        per_position (`bool`, *optional*, defaults to `False`): the logits have one row per position of the labels
+            (LMs, token classification), not one per sample.
     """
 
     def __init__(
@@ -159,11 +163,13 @@ class CrossEntropyHead(LossHead):
         shift: bool = False,
         smoothing: float = 0.0,
         builds_decoder_inputs: bool = False,
+        per_position: bool = False,
     ):
         super().__init__(label_keys, name)
         self.shift = shift
         self.smoothing = smoothing
         self.builds_decoder_inputs = builds_decoder_inputs
+        self.per_position = per_position
 
     def pop_labels(self, inputs: dict) -> dict[str, torch.Tensor]:
         labels = super().pop_labels(inputs)
@@ -188,6 +194,12 @@ class CrossEntropyHead(LossHead):
         rows = target.shape[0]
         # Sequence-level heads have one position per row.
         target = target.to(logits.device).reshape(rows, -1)
+        if self.per_position and logits.shape[1] != target.shape[1]:
+            raise ValueError(
+                f"{self.name}: the model gives logits for {logits.shape[1]} positions but the labels have "
+                f"{target.shape[1]}; something between them adds or drops positions (e.g. virtual tokens), so the "
+                "loss cannot be matched to the labels. Set exact_loss=False for this model."
+            )
         logits = logits.reshape(rows, target.shape[1], -1)
         per_position = token_losses(logits, target, self.smoothing)
         return per_position.sum(-1, keepdim=True), target.ne(IGNORE_INDEX).sum(-1, keepdim=True)

@@ -28,10 +28,14 @@ MULTIPLE_CHOICE = _class_names("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES")
 QUESTION_ANSWERING = _class_names("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES")
 # Heads whose loss is a plain cross-entropy over their labels, by the name used in messages.
 _PLAIN_CROSS_ENTROPY = (
-    ("masked_lm", MASKED_LM),
-    ("token_classification", TOKEN_CLASSIFICATION),
-    ("multiple_choice", MULTIPLE_CHOICE),
+    ("masked_lm", MASKED_LM, True),
+    ("token_classification", TOKEN_CLASSIFICATION, True),
+    ("multiple_choice", MULTIPLE_CHOICE, False),
 )
+# PEFT adapters that leave the sequence as it is: prefix tuning and cartridges add keys and values, not positions.
+# Every other prompt-learning adapter prepends virtual tokens to the input, so a decoder's logits have more
+# positions than its labels.
+_SEQUENCE_KEEPING_PROMPTS = frozenset({"PREFIX_TUNING", "CARTRIDGE"})
 
 
 class UnsupportedHead(ValueError):
@@ -81,16 +85,29 @@ def _head_by_class(name: str, config, sample_labels, smoothing: float) -> LossHe
     if name in SEQUENCE_CLASSIFICATION:
         return _sequence_classification(name, config, sample_labels, smoothing)
     if encoder_decoder and name in SEQ2SEQ_LM:
-        return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True)
+        return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
     if name in CAUSAL_LM and not encoder_decoder:
-        return CrossEntropyHead(name="causal_lm", shift=True, smoothing=smoothing)
-    for head_name, names in _PLAIN_CROSS_ENTROPY:
+        return CrossEntropyHead(name="causal_lm", shift=True, smoothing=smoothing, per_position=True)
+    for head_name, names, per_position in _PLAIN_CROSS_ENTROPY:
         if name in names:
-            return CrossEntropyHead(name=head_name, smoothing=smoothing)
+            return CrossEntropyHead(name=head_name, smoothing=smoothing, per_position=per_position)
     raise UnsupportedHead(
         f"{name} is not a head hf_parallel knows (causal/seq2seq/masked LM, token/sequence classification, "
         "multiple choice, question answering)."
     )
+
+
+def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """
+    The transformers model inside a PEFT wrapper (LoRA, IA3, prefix tuning, ...), and the adapter type when it
+    prepends virtual tokens to the input; the model itself and None for anything else.
+    """
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not callable(getattr(model, "get_base_model", None)):
+        return model, None
+    peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+    virtual = getattr(config, "is_prompt_learning", False) and peft_type not in _SEQUENCE_KEEPING_PROMPTS
+    return model.get_base_model(), peft_type if virtual else None
 
 
 def resolve_head(
@@ -103,7 +120,8 @@ def resolve_head(
     The `LossHead` of an (unwrapped) transformers model.
 
     Args:
-        model (`nn.Module`): the model, unwrapped from DataParallel/DDP.
+        model (`nn.Module`): the model, unwrapped from DataParallel/DDP; a PEFT model is resolved by the
+            transformers model inside it.
         label_names (`list[str]`, *optional*): the Trainer's label names; the defaults of the head when `None`.
         label_smoothing (`float`, *optional*, defaults to 0): `TrainingArguments.label_smoothing_factor`.
         sample_labels (`torch.Tensor`, *optional*): a batch's `labels`, to settle a sequence classifier's
@@ -119,6 +137,7 @@ def resolve_head(
     resolve_head(model)  # e.g. CrossEntropyHead(name='causal_lm', label_keys=('labels',))
     ```
     """
+    model, virtual_tokens = _inside_adapters(model)
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:
@@ -128,6 +147,11 @@ def resolve_head(
             f"{name} adds a router auxiliary loss (config.output_router_logits=True) that the logits do not carry."
         )
     head = _head_by_class(name, config, sample_labels, label_smoothing)
+    if virtual_tokens is not None and getattr(head, "per_position", False) and not head.builds_decoder_inputs:
+        raise UnsupportedHead(
+            f"the {virtual_tokens} adapter on {name} prepends virtual tokens, so the logits have more positions "
+            "than the labels."
+        )
     if label_names is not None and tuple(label_names) != head.label_keys:
         raise UnsupportedHead(
             f"{name} takes labels {list(head.label_keys)}, but the Trainer's label_names are {label_names}."

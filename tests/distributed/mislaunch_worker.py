@@ -4,7 +4,7 @@ First the control: stock `transformers.Trainer` trains, each rank on its own dat
 (no gradient is exchanged) while the launch would exit 0. Then `hf_parallel.Trainer` on the same launch must stop
 with a RuntimeError before training. Each rank writes what it saw to `<out>/rank<R>.json`.
 
-    torchrun --nproc_per_node 2 tests/distributed/mislaunch_worker.py OUT_DIR
+    PYTHONPATH=. torchrun --nproc_per_node 2 tests/distributed/mislaunch_worker.py OUT_DIR
 """
 
 import json
@@ -16,22 +16,15 @@ import torch
 import torch.distributed as dist
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import hf_parallel  # noqa: E402
-from tests.tiny import classification_rows, tiny_bert_classifier  # noqa: E402
+import hf_parallel
+from tests.harness import training_args
+from tests.tiny import classification_rows, tiny_bert_classifier
 
 
 def args_for(cls, out: Path):
-    return cls(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=1e-2,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
+    # use_cpu unset, as in the launch this worker shows.
+    return training_args(
+        out, args_cls=cls, use_cpu=False, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2
     )
 
 

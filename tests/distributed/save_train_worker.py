@@ -1,7 +1,7 @@
 """
 A training that test_saving.py kills with SIGKILL mid-epoch, then resumes from its last checkpoint.
 
-    python tests/distributed/save_train_worker.py OUTPUT_DIR STOP_AT_STEP
+    PYTHONPATH=. python tests/distributed/save_train_worker.py OUTPUT_DIR STOP_AT_STEP
 
 Trains `hf_parallel.Trainer` with `save_steps` and, once the optimizer step STOP_AT_STEP is done (a checkpoint exists
 by then), writes OUTPUT_DIR/ready and waits to be killed, as a job killed by a scheduler or the OOM killer would
@@ -19,9 +19,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import BertForSequenceClassification  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hf_parallel import Trainer, TrainingArguments  # noqa: E402
+from hf_parallel import Trainer  # noqa: E402
+from tests.harness import training_args  # noqa: E402
 from tests.tiny import classification_rows, tiny_bert_config  # noqa: E402
 
 MAX_STEPS = 8
@@ -33,17 +32,13 @@ def make_trainer(output_dir: str, seed: int = 0, callbacks=None) -> Trainer:
     torch.manual_seed(seed)
     # Dropout makes the result depend on the RNG state the resumed run restores.
     model = BertForSequenceClassification(tiny_bert_config(num_labels=2, hidden_dropout_prob=0.1))
-    args = TrainingArguments(
-        output_dir=output_dir,
+    args = training_args(
+        output_dir,
         per_device_train_batch_size=2,
         max_steps=MAX_STEPS,
         save_steps=SAVE_STEPS,
         save_strategy="steps",
         learning_rate=1e-2,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
         logging_steps=100,
     )
     return Trainer(model=model, args=args, train_dataset=classification_rows(ROWS, seed=1), callbacks=callbacks)

@@ -1,0 +1,152 @@
+"""The examples: examples/train.py trains, saves and reloads; examples/embed.py reads FASTQ/FASTA/text, chunks reads
+and gives the same embeddings from a real 2-process launch as in one process."""
+
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from examples import embed as embed_example
+from examples.data import make_reads
+from tests.paths import ROOT
+
+READS = ROOT / "examples" / "data" / "reads.fastq"
+
+
+# ---- examples/train.py ----
+
+
+@pytest.mark.slow
+def test_main_example_runs_and_reload_matches(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--output_dir", str(out), "--disable_tqdm", "True"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Saved the model and tokenizer to {out}" in proc.stdout
+    assert "Reload check: from_pretrained gives the same logits" in proc.stdout
+    assert (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file()
+    keys = load_file(out / "model.safetensors").keys()
+    assert not [k for k in keys if k.startswith("module.")]
+    # The default run learns the synthetic task: accuracy well above chance.
+    accuracy_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("eval_accuracy")]
+    assert accuracy_lines, proc.stdout[-2000:]
+    assert float(accuracy_lines[-1].split("=")[1]) >= 0.9
+
+
+# ---- examples/embed.py: reading, chunking, a real launch ----
+
+FASTQ = "@r1\nACGTAC\n+\nIIIIII\n@r2\nGGN\n+r2\n#I#\n"
+
+
+def _write(path: Path, text: str, gz: bool = False) -> Path:
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_read_fastq_fasta_text_plain_and_gzipped(tmp_path):
+    read = embed_example.read_sequences
+    assert read(_write(tmp_path / "a.fastq", FASTQ)) == ["ACGTAC", "GGN"]
+    assert read(_write(tmp_path / "a.fq.gz", FASTQ, gz=True)) == ["ACGTAC", "GGN"]
+    # gzip is found by its magic bytes even under a plain name; the format by the first character.
+    assert read(_write(tmp_path / "reads", FASTQ, gz=True)) == ["ACGTAC", "GGN"]
+    fasta = ">s1 first\nACGT\nacgt\n\n>s2\nNNA\n"
+    assert read(_write(tmp_path / "a.fa", fasta)) == ["ACGTACGT", "NNA"]
+    assert read(_write(tmp_path / "a.fasta.gz", fasta, gz=True)) == ["ACGTACGT", "NNA"]
+    assert read(_write(tmp_path / "a.txt", "ACGT\n\nttga\n")) == ["ACGT", "TTGA"]
+    assert read(_write(tmp_path / "x.fastq", FASTQ + "\n\n")) == ["ACGTAC", "GGN"]  # trailing blank lines
+
+
+MALFORMED = {
+    "header": ("@r1\nACGT\n+\nIIII\nr2\nACGT\n+\nIIII\n", r"line 5: expected a FASTQ header starting with '@'"),
+    "plus": ("@r1\nACGT\n-\nIIII\n", r"line 3: expected the '\+' separator line"),
+    "quality": ("@r1\nACGT\n+\nIIII\n@r2\nACGT\n+\nIII\n", r"line 8: the quality line has 3 characters.*line 6"),
+    "truncated": ("@r1\nACGT\n+\nIIII\n@r2\nACGT\n", r"line 6: the file ends inside the record that starts on line 5"),
+    "character": ("@r1\nAC1T\n+\nIIII\n", r"line 2: invalid character '1'"),
+    "blank": ("@r1\nACGT\n+\nIIII\n\n@r2\nACGT\n+\nIIII\n", r"line 5: blank line inside the file"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_fastq_names_the_line(tmp_path, case):
+    text, message = MALFORMED[case]
+    path = _write(tmp_path / "bad.fastq", text)
+    with pytest.raises(embed_example.SequenceFormatError, match=message) as info:
+        embed_example.read_sequences(path)
+    assert str(path) in str(info.value)
+
+
+def _two_level_chunks(fastq_text: str, outer: int, inner: int) -> list[str]:
+    """A two-level chunker (fixed-size pieces of the concatenated reads, each cut again), as the oracle."""
+    import io
+
+    def read_in_chunks(file_object, chunk_size):
+        sequence = ""
+        while True:
+            identifier = file_object.readline()
+            if not identifier:
+                break
+            sequence_line = file_object.readline().strip()
+            file_object.readline()
+            file_object.readline()
+            sequence += sequence_line
+            while len(sequence) >= chunk_size:
+                yield sequence[:chunk_size]
+                sequence = sequence[chunk_size:]
+        if sequence:
+            yield sequence
+
+    true_chunks = []
+    for m in read_in_chunks(io.StringIO(fastq_text), outer):
+        true_chunks.extend(m[i : i + inner] for i in range(0, len(m), inner))
+    return true_chunks
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 12, 64, 10_000])
+def test_chunking_matches_two_level_chunker(tmp_path, chunk_size):
+    text = READS.read_text()
+    seqs = embed_example.read_sequences(READS)
+    ours = embed_example.chunk_sequences(seqs, chunk_size)
+    # Cutting at 80 x the chunk size, then at the chunk size, is the same as one cut at the chunk size.
+    assert ours == _two_level_chunks(text, 80 * chunk_size, chunk_size)
+    assert "".join(ours) == "".join(seqs)
+    per_read = embed_example.chunk_sequences(seqs, chunk_size, per_read=True)
+    assert per_read == [s[i : i + chunk_size] for s in seqs for i in range(0, len(s), chunk_size)]
+
+
+def test_shipped_reads_are_what_the_script_makes():
+    assert READS.read_text() == make_reads.make_reads()
+    assert len(embed_example.read_sequences(READS)) == 200
+
+
+@pytest.mark.slow
+def test_example_real_launch_two_processes_equals_one(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 examples/embed.py` on CPU == the same script in-process."""
+    embed_example.main(["--output_file", str(tmp_path / "one.npy"), "--no_progress"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [str(ROOT / "examples" / "embed.py"), "--output_file", str(tmp_path / "two.npy"), "--no_progress"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 process(es)" in proc.stdout and proc.stdout.count("Embedded") == 1
+    one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
+    assert one.shape == two.shape == (101, 32)  # 200 reads, 6,438 bases, cut at 64
+    np.testing.assert_allclose(two, one, atol=1e-5, rtol=0)
