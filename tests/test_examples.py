@@ -3,7 +3,6 @@ and gives the same embeddings from a real 2-process launch as in one process."""
 
 import gzip
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 from examples import embed as embed_example
 from examples.data import make_reads
 from tests.paths import ROOT
+from tests.processes import run_together
 
 READS = ROOT / "examples" / "data" / "reads.fastq"
 
@@ -25,24 +25,17 @@ READS = ROOT / "examples" / "data" / "reads.fastq"
 def test_main_example_runs_and_reload_matches(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train.py"), "--output_dir", str(out), "--disable_tqdm", "True"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"Saved the model and tokenizer to {out}" in proc.stdout
-    assert "Reload check: from_pretrained gives the same logits" in proc.stdout
+    command = [sys.executable, str(ROOT / "examples" / "train.py"), "--output_dir", str(out), "--disable_tqdm", "True"]
+    (result,), _ = run_together([command], tmp_path, env)
+    assert f"Saved the model and tokenizer to {out}" in result.output
+    assert "Reload check: from_pretrained gives the same logits" in result.output
     assert (out / "model.safetensors").is_file()
     assert (out / "tokenizer.json").is_file()
     keys = load_file(out / "model.safetensors").keys()
     assert not [k for k in keys if k.startswith("module.")]
     # The default run learns the synthetic task: accuracy well above chance.
-    accuracy_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("eval_accuracy")]
-    assert accuracy_lines, proc.stdout[-2000:]
+    accuracy_lines = [line for line in result.output.splitlines() if line.strip().startswith("eval_accuracy")]
+    assert accuracy_lines, result.output[-2000:]
     assert float(accuracy_lines[-1].split("=")[1]) >= 0.9
 
 
@@ -144,9 +137,9 @@ def test_example_real_launch_two_processes_equals_one(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     cmd += ["--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += [str(ROOT / "examples" / "embed.py"), "--output_file", str(tmp_path / "two.npy"), "--no_progress"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 process(es)" in proc.stdout and proc.stdout.count("Embedded") == 1
+    # A launch: on a failure or a hang, every process is stopped and its output shown.
+    (result,), _ = run_together([cmd], tmp_path, env)
+    assert "on 2 process(es)" in result.output and result.output.count("Embedded") == 1
     one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
     assert one.shape == two.shape == (101, 32)  # 200 reads, 6,438 bases, cut at 64
     np.testing.assert_allclose(two, one, atol=1e-5, rtol=0)
