@@ -178,3 +178,22 @@ def test_a_user_loss_function_gets_the_exact_count():
     step = exact.count_step(head, batches)
     exact.loss(head, {"logits": torch.ones(1)}, batches[0], step, {}, loss_func=loss_func)
     assert seen["count"] == 2  # shifted: 2 targets in the first row, none in the second
+
+
+def test_a_packed_row_is_split_into_its_samples():
+    """`DataCollatorWithFlattening` packs sequences into one row: the terms are per sequence, as if unpacked."""
+    from transformers import DataCollatorWithFlattening
+
+    model = CASES["llama_causal_lm"].build(0).eval()
+    sequences = [row["input_ids"][row["attention_mask"].bool()] for row in CASES["llama_causal_lm"].rows(5, 3)]
+    packed = DataCollatorWithFlattening()([{"input_ids": s.tolist(), "labels": s.tolist()} for s in sequences])
+    exact = ExactLoss()
+    head = exact.head(model, packed)
+    with torch.no_grad():
+        inputs, labels = exact.split_labels(head, packed, model)
+        sums, counts = exact._sample_terms(head, model(**inputs), labels, inputs)
+        for i, ids in enumerate(sequences):
+            alone = model(input_ids=ids[None]).logits[0, :-1]
+            expected = torch.nn.functional.cross_entropy(alone, ids[1:], reduction="sum") if len(ids) > 1 else 0.0
+            torch.testing.assert_close(sums[i, 0], torch.as_tensor(expected, dtype=sums.dtype), rtol=1e-5, atol=1e-5)
+            assert counts[i, 0].item() == len(ids) - 1

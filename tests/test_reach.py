@@ -23,7 +23,7 @@ from hf_parallel import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Train
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.harness import SGD_STEP, TRAIN_ROWS, Topology, run_case, training_args
 from tests.heads import CASES, lm_rows, seq2seq_rows
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
 
@@ -188,3 +188,68 @@ def test_average_tokens_off_is_said_to_have_no_effect(tmp_path, hf_parallel_log)
     args = training_args(tmp_path, average_tokens_across_devices=False)
     Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(4))
     assert any("average_tokens_across_devices=False has no effect" in m for m in hf_parallel_log.messages)
+
+
+# ---- Evaluation of packed batches under DDP: every sample counted once ----------------------------------------------
+
+PACKED_EVAL_SIZES = (1, 3, 5, 7)
+
+
+def _packed_rows(n: int) -> list[dict]:
+    """Causal LM sequences without padding, for `DataCollatorWithFlattening` (one row per batch, all sequences)."""
+    # Row 0 of lm_rows is a single token (nothing to predict): skipped, so that every set has items.
+    sequences = [r["input_ids"][r["attention_mask"].bool()].tolist() for r in lm_rows(n + 1, 3)[1:]]
+    return [{"input_ids": ids, "labels": ids} for ids in sequences]
+
+
+def _packed_eval_losses(trainer_cls, args_cls, output_dir: str) -> dict[int, float]:
+    losses = {}
+    for n in PACKED_EVAL_SIZES:
+        args = training_args(
+            os.path.join(output_dir, str(n)), args_cls=args_cls, per_device_eval_batch_size=2,
+            remove_unused_columns=False,
+        )  # fmt: skip
+        trainer = trainer_cls(
+            model=CASES["llama_causal_lm"].build(0), args=args, eval_dataset=ListDataset(_packed_rows(n)),
+            data_collator=transformers.DataCollatorWithFlattening(),
+        )  # fmt: skip
+        losses[n] = trainer.evaluate()["eval_loss"]
+    return losses
+
+
+def _packed_eval_ranks(output_dir: str) -> None:
+    assert dist.get_world_size() == 2
+    report = {
+        "ours": _packed_eval_losses(Trainer, TrainingArguments, output_dir),
+        "stock": _packed_eval_losses(transformers.Trainer, transformers.TrainingArguments, output_dir),
+    }
+    if dist.get_rank() == 0:
+        with open(os.path.join(output_dir, "report.json"), "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _packed_definition(n: int) -> float:
+    """Sum of the token losses over count of predicted tokens, sequence by sequence, each counted once."""
+    model = CASES["llama_causal_lm"].build(0).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in _packed_rows(n):
+            ids = torch.tensor([row["input_ids"]])
+            if ids.shape[1] > 1:
+                logits = model(input_ids=ids).logits[0, :-1]
+                total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+                count += ids.shape[1] - 1
+    return total / count
+
+
+@pytest.mark.slow
+def test_packed_evaluation_counts_each_sample_once_under_ddp(tmp_path):
+    spawn_cpu_ranks(_packed_eval_ranks, (str(tmp_path),), num_processes=2)
+    report = json.loads((tmp_path / "report.json").read_text())
+    for n in PACKED_EVAL_SIZES:
+        expected = _packed_definition(n)
+        assert report["ours"][str(n)] == pytest.approx(expected, rel=1e-5), n
+    # Stock counts the duplicate accelerate pads in (and averages per-batch means): off where the set is uneven.
+    assert abs(report["stock"]["7"] - _packed_definition(7)) > 1e-4

@@ -30,7 +30,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .heads import CrossEntropyHead, LossHead
-from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, real_rows, row_mask
+from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, packed_sample_ids, real_rows, row_mask, samples_in
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
@@ -240,10 +240,15 @@ class ExactLoss:
             )
             return
         last = batches[-1]
-        rows = len(last[head.label_keys[0]])
-        real = real_rows(rows, end.remainder, process_index)
-        if real is not None and real < rows:
+        samples = samples_in(last, head.label_keys[0], self._sample_ids(head, last))
+        real = real_rows(samples, end.remainder, process_index)
+        if real is not None and real < samples:
             last[REAL_ROWS_KEY] = real
+
+    @staticmethod
+    def _sample_ids(head: LossHead, batch: dict) -> torch.Tensor | None:
+        # Only per-position heads are packed (several sequences in one row).
+        return packed_sample_ids(batch) if getattr(head, "per_position", False) else None
 
     @staticmethod
     def _count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
@@ -251,8 +256,12 @@ class ExactLoss:
         real = batch.get(REAL_ROWS_KEY)
         if real is None:
             return head.count(batch, seq_len)
-        # The last batch of an epoch under DDP: only its leading rows are real, the rest is padding.
-        return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
+        # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
+        sample_ids = ExactLoss._sample_ids(head, batch)
+        if sample_ids is None:
+            return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
+        (target,) = head.targets(batch, seq_len)
+        return (head.valid(target, seq_len)[0] & sample_ids.lt(real).to(target.device)).sum().reshape(1)
 
     def split_labels(self, head: LossHead, inputs: dict, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
         """A copy of `inputs` without the labels, and the labels; decoder inputs built when the model needs them."""
@@ -284,18 +293,36 @@ class ExactLoss:
             seq_len = sequence_length(inputs, main_input_name)
             total = step.total() if step is not None else head.count(labels, seq_len).sum()
             return loss_func(outputs, labels["labels"], num_items_in_batch=total) * (step.scale if step else 1)
-        real = labels.pop(REAL_ROWS_KEY, None)
-        row_sums, row_counts = head.row_terms(outputs, labels)
-        if real is not None:
-            # Padding rows of an epoch's last step add nothing: not to S, not to the gradient.
-            mask = row_mask(row_sums.shape[0], real, row_sums.device)
-            row_sums, row_counts = row_sums * mask, row_counts * mask
+        row_sums, row_counts = self._sample_terms(head, outputs, labels, inputs)
         if step is not None:
             return head.combine(row_sums.sum(0), step.counts) * step.scale
         if self._eval_totals is not None:
             # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
             self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
         return head.combine(row_sums.sum(0), row_counts.sum(0))
+
+    def _sample_terms(self, head, outputs, labels, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row; the
+        padding samples of an epoch's last step (`REAL_ROWS_KEY`) add nothing, not to S, not to the gradient.
+        """
+        real = labels.pop(REAL_ROWS_KEY, None)
+        sample_ids = self._sample_ids(head, inputs)
+        if sample_ids is None:
+            sums, counts = head.row_terms(outputs, labels)
+            if real is not None:
+                mask = row_mask(sums.shape[0], real, sums.device)
+                sums, counts = sums * mask, counts * mask
+            return sums, counts
+        losses, valid = head.position_terms(outputs, labels)  # [1, positions]
+        sample_ids = sample_ids.to(losses.device)
+        samples = int(sample_ids.max()) + 1
+        keep = sample_ids.lt(real if real is not None else samples)
+        sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
+        counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
+            0, sample_ids, (valid[0] & keep).long()
+        )
+        return sums.unsqueeze(-1), counts.unsqueeze(-1)
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----
     def start_evaluation(self) -> None:

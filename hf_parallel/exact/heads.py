@@ -188,11 +188,11 @@ class CrossEntropyHead(LossHead):
                 target = F.pad(target[..., 1:], (0, 1), value=IGNORE_INDEX)
         return [target]
 
-    def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position losses and items, each `[rows, positions]` (one position per row for sequence-level heads)."""
         logits = _logits(outputs)
         (target,) = self.targets(labels)
         rows = target.shape[0]
-        # Sequence-level heads have one position per row.
         target = target.to(logits.device).reshape(rows, -1)
         if self.per_position and logits.shape[1] != target.shape[1]:
             raise ValueError(
@@ -201,8 +201,11 @@ class CrossEntropyHead(LossHead):
                 "loss cannot be matched to the labels. Set exact_loss=False for this model."
             )
         logits = logits.reshape(rows, target.shape[1], -1)
-        per_position = token_losses(logits, target, self.smoothing)
-        return per_position.sum(-1, keepdim=True), target.ne(IGNORE_INDEX).sum(-1, keepdim=True)
+        return token_losses(logits, target, self.smoothing), target.ne(IGNORE_INDEX)
+
+    def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, valid = self.position_terms(outputs, labels)
+        return losses.sum(-1, keepdim=True), valid.sum(-1, keepdim=True)
 
 
 class _ElementwiseHead(LossHead):

@@ -11,8 +11,12 @@ iterable ones whose batches rank 0 dispatches (the remainder is the size of the 
 known for iterable datasets each rank reads itself (`dispatch_batches=False`): accelerate pads those too, and they
 train as stock does.
 
-The Trainer marks a padded batch with `REAL_ROWS_KEY` (the count of its leading real rows); `ExactLoss` then counts and
-sums those rows only.
+The Trainer marks a padded batch with `REAL_ROWS_KEY` (the count of its leading real samples); `ExactLoss` then
+counts and sums those samples only.
+
+A packed batch (`DataCollatorWithFlattening`: one row holding several sequences, each restarting its
+`position_ids` at 0) is a batch of samples too: its samples are told apart by their position ids, so that padding
+and evaluation's duplicate removal work on samples, not on the one row.
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["REAL_ROWS_KEY", "EpochEnd", "first_rows", "pull_batches", "real_rows", "row_mask"]
+__all__ = [
+    "REAL_ROWS_KEY",
+    "EpochEnd",
+    "first_rows",
+    "packed_sample_ids",
+    "pull_batches",
+    "real_rows",
+    "row_mask",
+    "samples_in",
+]
 
 #: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added.
 REAL_ROWS_KEY = "hf_parallel_real_rows"
@@ -76,3 +89,22 @@ def first_rows(batch: dict, keys: tuple[str, ...], count: int) -> dict:
 def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
     """`[rows, 1]`: 1 for the first `real` rows, 0 for the padding after them."""
     return (torch.arange(rows, device=device) < real).unsqueeze(-1)
+
+
+def packed_sample_ids(batch: dict) -> torch.Tensor | None:
+    """
+    For a packed batch (one row of several sequences, `position_ids` restarting at 0 at each), the sample index of
+    each position, `[positions]`; None for any other batch (there a row is a sample).
+    """
+    position_ids = batch.get("position_ids")
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    starts = position_ids[0].eq(0)
+    if int(starts.sum()) <= 1:
+        return None
+    return starts.cumsum(0) - 1
+
+
+def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:
+    """How many samples a batch holds: its rows, or the sequences of a packed row."""
+    return int(sample_ids.max()) + 1 if sample_ids is not None else len(batch[label_key])
