@@ -117,6 +117,7 @@ def run_case(
     evaluate_first: bool = True,
     iterable: bool = False,
     callbacks: tuple = (),
+    classes: tuple[type, type] | None = None,
     **overrides,
 ) -> dict:
     """
@@ -127,10 +128,12 @@ def run_case(
     `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP,
     so every DDP case also checks that hf_parallel still wraps the model. `eval_rows=0` does not evaluate at all.
     `iterable` trains on the rows as an iterable dataset (no length), which accelerate dispatches from rank 0 under
-    DDP.
+    DDP. `classes` (a Trainer and an arguments class) replaces hf_parallel's (or, with `stock`, transformers').
     """
     case = CASES[case] if isinstance(case, str) else case
-    if stock:
+    if classes is not None:
+        trainer_cls, args_cls = classes
+    elif stock:
         trainer_cls, args_cls = transformers.Trainer, transformers.TrainingArguments
     else:
         trainer_cls, args_cls = Trainer, TrainingArguments

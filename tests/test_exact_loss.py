@@ -12,6 +12,7 @@ import transformers
 from transformers.data.data_collator import default_data_collator
 from transformers.trainer_pt_utils import LabelSmoother
 
+import hf_parallel
 from hf_parallel import Trainer
 from tests.harness import (
     SGD_STEP,
@@ -89,6 +90,14 @@ def test_in_process_topologies_equal_one_process(case, topology):
         expected = "BalancedDataParallel" if topology.gpu0_bsz is not None else "SimulatedDataParallel"
         assert result["wrapped"] == expected
     assert_equivalent(result, single(case), f"{case} under {topology.name}")
+
+
+@pytest.mark.parametrize("topology", IN_PROCESS, ids=[t.name for t in IN_PROCESS])
+def test_seq2seq_trainer_row(topology):
+    """hf_parallel.Seq2SeqTrainer, generating in evaluation: the same exact step and eval_loss as the Trainer's."""
+    classes = (hf_parallel.Seq2SeqTrainer, hf_parallel.Seq2SeqTrainingArguments)
+    result = run_case("bart_seq2seq", topology, classes=classes, predict_with_generate=True, generation_max_length=4)
+    assert_equivalent(result, single("bart_seq2seq"), f"Seq2SeqTrainer under {topology.name}")
 
 
 @pytest.mark.slow
