@@ -1,4 +1,5 @@
-"""`Trainer`: a drop-in `transformers.Trainer` for several GPUs. Glue only; the logic lives in the sibling modules."""
+"""`Trainer`, `Seq2SeqTrainer` and `TrainerMixin` (hf_parallel for any Trainer subclass): their overrides only, each
+"not ours: super()" or a call into a collaborator (`hf_parallel.exact`, `data_parallel`, `checkpoints`, ...)."""
 
 from __future__ import annotations
 
