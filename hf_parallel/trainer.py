@@ -89,7 +89,7 @@ class TrainerMixin:
         return self.exact.head(
             self.model,
             batch,
-            blocked=self._exact_loss_blocked(),
+            blocked=self._exact_loss_blocked,  # asked only when the model's head is not cached yet
             loss_func=self.compute_loss_func,
             loss_func_shifts=self._loss_shifts_labels,
         )
@@ -143,7 +143,7 @@ class TrainerMixin:
         if head is None or not head.has_labels(inputs):
             return super().compute_loss(model, inputs, return_outputs, StepCounts.as_stock(num_items_in_batch))
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
-        inputs, labels = self.exact.split_labels(head, inputs, self.accelerator.unwrap_model(model))
+        inputs, labels = self.exact.split_labels(head, inputs, model)
         outputs = model(**inputs)
         loss = self.exact.loss(
             head,

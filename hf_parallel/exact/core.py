@@ -133,7 +133,7 @@ class ExactLoss:
         model: nn.Module,
         batch: dict | None = None,
         *,
-        blocked: str | None = None,
+        blocked: str | Callable[[], str | None] | None = None,
         loss_func: Callable | None = None,
         loss_func_shifts: bool = False,
     ) -> LossHead | None:
@@ -143,8 +143,9 @@ class ExactLoss:
         Args:
             model (`nn.Module`): the model (unwrapped with `unwrap` on a cache miss).
             batch (`dict`, *optional*): a batch, whose labels settle a classifier's problem type.
-            blocked (`str`, *optional*): why the caller cannot use the exact loss at all (e.g. an overridden
-                `compute_loss`); falls back with that reason.
+            blocked (`str` or `Callable`, *optional*): why the caller cannot use the exact loss at all (e.g. an
+                overridden `compute_loss`), or a function that says it (or None), run only when the head of `model`
+                is not cached yet; falls back with that reason.
             loss_func (`Callable`, *optional*): the Trainer's `compute_loss_func`: on a model without a known head
                 only its item count is needed, which is the stock one.
             loss_func_shifts (`bool`, *optional*): whether that count is of shifted labels.
@@ -154,12 +155,13 @@ class ExactLoss:
         # Called twice a micro-batch: keyed on what can change (the model, e.g. under model_init; a classifier's
         # problem_type, settled by the first labels).
         config = getattr(model, "config", None)
-        key = (id(model), getattr(config, "problem_type", None), loss_func is not None, blocked)
+        key = (id(model), getattr(config, "problem_type", None), loss_func is not None)
         cached = self._heads.get(key)
         if cached is not None and cached[0] is model:  # the model itself, not a later one reusing its id
             return cached[1]
+        reason = blocked() if callable(blocked) else blocked
         try:
-            head = self._resolve(self.unwrap(model), batch, blocked, loss_func, loss_func_shifts)
+            head = self._resolve(self.unwrap(model), batch, reason, loss_func, loss_func_shifts)
         except ProblemTypeUnsettled:
             if batch is None:
                 return None  # settled at the first batch, which carries the labels
@@ -167,7 +169,7 @@ class ExactLoss:
         except UnsupportedHead as reason:
             self.warn_fallback(str(reason))
             head = None
-        self._heads[(id(model), getattr(config, "problem_type", None), key[2], blocked)] = (model, head)
+        self._heads[(id(model), getattr(config, "problem_type", None), key[2])] = (model, head)
         return head
 
     def _resolve(self, model, batch, blocked, loss_func, loss_func_shifts) -> LossHead:
@@ -264,14 +266,19 @@ class ExactLoss:
         return (head.valid(target, seq_len)[0] & sample_ids.lt(real).to(target.device)).sum().reshape(1)
 
     def split_labels(self, head: LossHead, inputs: dict, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
-        """A copy of `inputs` without the labels, and the labels; decoder inputs built when the model needs them."""
+        """
+        A copy of `inputs` without the labels, and the labels; decoder inputs built when the model (unwrapped with
+        `unwrap`, only then) needs them.
+        """
         inputs = dict(inputs)  # the caller's dict keeps its labels
         labels = head.pop_labels(inputs)
         if REAL_ROWS_KEY in inputs:
             labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
         if head.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
             # The model builds decoder inputs from the labels it no longer receives.
-            inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels["labels"])
+            inputs["decoder_input_ids"] = self.unwrap(model).prepare_decoder_input_ids_from_labels(
+                labels=labels["labels"]
+            )
         return inputs, labels
 
     def loss(
