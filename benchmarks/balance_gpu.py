@@ -1,238 +1,553 @@
 """
-Stock `nn.DataParallel` against `BalancedDataParallel` at several `gpu0_bsz`, on a GPU machine: peak memory per GPU,
-samples per second, and the largest batch that fits (GPU 0 being the limit), printed with ratios against stock.
+GPU 0's memory under DataParallel, measured through the Trainers themselves on a causal LM: the stock
+`transformers.Trainer` under its own `nn.DataParallel` against `hf_parallel.Trainer` (exact loss) with an even split
+and with several `gpu0_bsz`: peak memory per GPU, samples per second and the largest batch that fits, with ratios
+against stock measured in the same run.
 
-    python -m benchmarks.balance_gpu                                   # all visible GPUs, defaults below
-    python -m benchmarks.balance_gpu --batch_size 96 --gpu0_bsz 8 16 24 --budget_gib 24
-    python -m benchmarks.balance_gpu --dry_run 3                       # no GPU: the same flow on 3 simulated devices
+    python -m benchmarks.balance_gpu                          # every visible GPU (one GPU: device_ids [0, 0])
+    python -m benchmarks.balance_gpu --gpu0_bsz 0 2 4 --search --cap_gib 64
+    python -m benchmarks.balance_gpu --dtype fp32 --vocab_size 32000 --seq_len 1024 --batch_size 32
+    python -m benchmarks.balance_gpu --dry_run 3              # no GPU: the same flow on 3 simulated devices
 
-Exit codes: 0 after printing the figures; 2 without a CUDA GPU (nothing is measured; the message says so and points
-to `--dry_run`). With one GPU, DataParallel runs over `device_ids=[0, 0]`: two replicas on the one GPU, the real
-scatter / replicate / gather code path, but both "devices" share one memory, so per-device peaks cannot be told apart
-(the script says so). `--dry_run N` runs on CPU through `hf_parallel.testing` (no memory figures, no largest batch):
-a check that the script works, not a measurement.
+Targets for a GPU run, each printed with PASS or MISS:
+1. GPU 0's peak under exact DataParallel (`hf_parallel.Trainer`, no `gpu0_bsz`) <= stock's.
+2. With `gpu0_bsz`, GPU 0's peak >= 30% below stock's at the same global batch (met by at least one value tried).
 
-The step is the one `hf_parallel.Trainer` runs with the exact loss: the wrapped model runs without labels, the loss
-is computed once on the logits gathered on GPU 0 (a sum over rows divided by the batch size), then backward and an
-AdamW step. The model is a BERT sequence classifier built from a config (nothing downloaded).
+Workload: `LlamaForCausalLM` built from a `LlamaConfig` (nothing downloaded; defaults: vocabulary 128256, sequence
+2048, hidden 1024, 8 layers, 16 heads with 8 key/value heads, MLP 4096, about 0.39 B parameters), its weights in bf16
+(`--dtype fp32` for fp32) and no autocast: `bf16=True` is a no-op for the stock Trainer under DataParallel
+(transformers 5.24 skips mixed precision for a wrapped model), so it would compare two precisions. The data are
+random token ids, the labels a copy of them (every token a target after the shift); the per-step batch
+(`--batch_size`, default 8 per entry of `device_ids`, 16 on one GPU) is the same for every configuration.
 
-- Peak memory: `torch.cuda.max_memory_allocated(d)` for each GPU over `--steps` steps at `--batch_size`, after one
-  warm-up step that allocates the optimizer state (on GPU 0, with the master weights and gradients).
-- Samples/s: `--steps` timed steps after the warm-up, with `torch.cuda.synchronize()`.
-- Largest batch: every GPU is capped at `--budget_gib` (`torch.cuda.set_per_process_memory_fraction`) and the
-  largest per-step batch that completes a step without running out of memory is found by bisection, up to
-  `--max_batch`.
+Configurations, each run by `trainer.train()` with `max_steps` (`report_to=[]`, `save_strategy="no"`), so that the
+step measured is each library's own: stock (`labels` passed to the model, each replica computes its rows' loss, the
+Trainer takes `loss.mean()`), `hf_parallel.Trainer` with the even split, and `hf_parallel.Trainer` with each
+`gpu0_bsz` (default: 0, 1/4 and 1/2 of GPU 0's even share).
+
+- Peak memory: `torch.cuda.max_memory_allocated(d)` of each GPU over the whole run (`--warmup` + `--steps` steps, the
+  first allocating the optimizer state), reset before each configuration.
+- Samples/s: the per-step batch over the median time of the `--steps` steps after the warm-up.
+- Largest batch (`--search`): every GPU capped at `--cap_gib`, the largest per-step batch (a multiple of the number of
+  devices) that trains two steps without running out of memory, by bisection up to `--max_batch`, for at most
+  `--search_seconds` per configuration (a search stopped by the clock prints its lower bound as `>= n`).
+- The analytic cost of recomputing the loss from the gathered logits on GPU 0 (`B*T*V*4` bytes of fp32 logits in
+  forward, about 3x at the backward peak), for the sizes chosen and for B=16, T=2048, V=128256.
+
+With one GPU, DataParallel runs over `device_ids=[0, 0]`: two replicas on one GPU, torch's real scatter, replicate
+and gather, but both "devices" share one memory, so the per-device peaks coincide (target 2 cannot be assessed
+there). `--dry_run N` runs the same configurations on CPU through `hf_parallel.testing` (`simulate_data_parallel`,
+`simulated_training_args`) with a tiny model: a check that the script works end to end, with no memory figures.
+
+Exit codes: 0 after printing the figures; 1 when a configuration failed with an error other than running out of
+memory (its traceback on stderr, the other configurations' figures printed); 2 without a CUDA GPU (nothing is
+measured; the message points to `--dry_run`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
+import importlib
+import statistics
 import sys
+import tempfile
 import time
+import traceback
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_parallel import BalancedDataParallel, balanced_chunk_sizes
-from hf_parallel.data_parallel import torch_chunk_sizes
+import hf_parallel
+from hf_parallel.chunking import balanced_chunk_sizes, torch_chunk_sizes
 
+FAILED_EXIT = 1
 NO_GPU_EXIT = 2
+GIB = 2**30
+TARGETS = (
+    "GPU 0's peak under exact DataParallel <= stock's",
+    "with gpu0_bsz, >= 30% below stock at the same global batch",
+)
+TARGET_REDUCTION = 0.30
+REFERENCE_SIZES = (16, 2048, 128256)  # B, T, V of the reference figure (a Llama 3 vocabulary)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TINY = dict(vocab_size=256, seq_len=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate=64)
 
 
-def parse_args(argv=None):
+@dataclasses.dataclass(frozen=True)
+class Config:
+    label: str
+    stock: bool
+    gpu0_bsz: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    config: Config
+    split: list[int]
+    wrapper: str = ""
+    samples_per_s: float | None = None
+    train_loss: float | None = None
+    peaks: list[int] = dataclasses.field(default_factory=list)  # bytes, one per physical device
+    failure: str | None = None  # "out of memory", or the error that stopped the run
+    largest: int | None = None
+    largest_exact: bool = True
+
+
+@dataclasses.dataclass
+class Bench:
+    args: argparse.Namespace
+    device_ids: list[int]
+    device: torch.device
+
+    @property
+    def devices(self) -> list[int]:
+        """The physical CUDA devices whose memory is read (none in a dry run)."""
+        return [] if self.args.dry_run else sorted(set(self.device_ids))
+
+    @property
+    def one_gpu(self) -> bool:
+        return len(self.devices) == 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch_size", type=int, default=0, help="per-step batch (default: 16 x the GPU count)")
-    parser.add_argument(
-        "--gpu0_bsz",
-        type=int,
-        nargs="+",
-        default=None,
-        help="values to try (default: 1/4, 1/2, 3/4 of GPU 0's even share)",
-    )
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--hidden_size", type=int, default=768)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--num_labels", type=int, default=1000, help="a wide head makes the gathered logits count")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    parser.add_argument(
-        "--budget_gib", type=float, default=16.0, help="memory cap per GPU for the largest-batch search"
-    )
-    parser.add_argument("--max_batch", type=int, default=4096, help="upper end of the largest-batch search")
-    parser.add_argument("--no_search", action="store_true", help="skip the largest-batch search")
-    parser.add_argument("--dry_run", type=int, default=0, metavar="N", help="CPU, N simulated devices, tiny model")
-    return parser.parse_args(argv)
+    add = parser.add_argument
+    add("--batch_size", type=int, default=0, help="per-step batch, a multiple of the devices (default: 8 per device)")
+    add("--gpu0_bsz", type=int, nargs="+", default=None, help="values to try (default: 0, 1/4, 1/2 of the even share)")
+    add("--device_ids", type=int, nargs="+", default=None, help="default: every GPU; [0, 0] with one")
+    add("--dtype", choices=sorted(DTYPES), default="bf16", help="the weights' dtype (no autocast)")
+    add("--vocab_size", type=int, default=128256)
+    add("--seq_len", type=int, default=2048)
+    add("--hidden_size", type=int, default=1024)
+    add("--num_layers", type=int, default=8)
+    add("--num_heads", type=int, default=16)
+    add("--num_kv_heads", type=int, default=8)
+    add("--intermediate", type=int, default=4096, help="the MLP's width")
+    add("--no_cache", action="store_true", help="use_cache=False in the config (default: the config's True)")
+    add("--warmup", type=int, default=2, help="untimed steps first (the first allocates the optimizer state)")
+    add("--steps", type=int, default=5, help="timed steps per configuration")
+    add("--search", action="store_true", help="also find the largest per-step batch under --cap_gib")
+    add("--cap_gib", type=float, default=64.0, help="memory cap per GPU for --search")
+    add("--max_batch", type=int, default=0, help="upper end of --search (default: 64 per device)")
+    add("--search_seconds", type=float, default=60.0, help="time bound of --search per configuration")
+    add("--dry_run", type=int, default=0, metavar="N", help="CPU, N simulated devices, a tiny model")
+    args = parser.parse_args(argv)
+    for name in ("warmup", "steps", "dry_run", "batch_size", "max_batch"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            parser.error(f"--{name} must be >= {1 if name == 'steps' else 0}, got {getattr(args, name)}.")
+    if args.dry_run == 1:
+        parser.error("--dry_run 1 simulates one device, where there is nothing to balance: give 2 or more.")
+    return args
 
 
-def build_model(args, device):
-    torch.manual_seed(0)
-    heads = max(1, args.hidden_size // 64)
-    config = BertConfig(
-        vocab_size=30522,
+def choose_devices(args) -> list[int]:
+    """device_ids for DataParallel: the given ones, else every GPU, or [0, 0] on one GPU."""
+    count = torch.cuda.device_count()
+    if args.device_ids is None:
+        return list(range(count)) if count > 1 else [0, 0]
+    if len(args.device_ids) < 2 or any(not 0 <= d < count for d in args.device_ids):
+        raise SystemExit(
+            f"--device_ids {args.device_ids}: give two or more ids among the {count} visible GPUs (0..{count - 1}); "
+            "a repeated id runs several replicas on one GPU, e.g. --device_ids 0 0."
+        )
+    return list(args.device_ids)
+
+
+# ---- The workload ----
+
+
+def model_config(args) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate,
         num_hidden_layers=args.num_layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * args.hidden_size,
-        max_position_embeddings=max(512, args.seq_len),
-        num_labels=args.num_labels,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.seq_len,
+        use_cache=not args.no_cache,
     )
-    return BertForSequenceClassification(config).to(device)
 
 
-def wrap(model, device_ids, gpu0_bsz, dry_run):
-    if dry_run:
-        from hf_parallel.testing import SimulatedBalancedDataParallel, SimulatedDataParallel
-
-        if gpu0_bsz is None:
-            return SimulatedDataParallel(model, device_ids=device_ids)
-        return SimulatedBalancedDataParallel(model, device_ids=device_ids, gpu0_bsz=gpu0_bsz)
-    if gpu0_bsz is None:
-        return torch.nn.DataParallel(model, device_ids=device_ids)
-    return BalancedDataParallel(model, device_ids=device_ids, gpu0_bsz=gpu0_bsz)
+def build_model(bench: Bench) -> LlamaForCausalLM:
+    torch.manual_seed(0)  # the same initial weights in every configuration
+    with torch.device(bench.device):
+        model = LlamaForCausalLM(model_config(bench.args))
+    return model.to(DTYPES[bench.args.dtype])
 
 
-def step(wrapped, optimizer, batch_size, args, device):
-    ids = torch.randint(1000, 30000, (batch_size, args.seq_len), device=device)
-    labels = torch.randint(0, args.num_labels, (batch_size,), device=device)
-    logits = wrapped(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-    loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum") / batch_size
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class RandomTokens(torch.utils.data.Dataset):
+    """`rows` sequences of random token ids; the labels are a copy (the model shifts them)."""
+
+    def __init__(self, rows: int, seq_len: int, vocab_size: int):
+        self.ids = torch.randint(vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-def synchronize(devices):
+class StepTimer(transformers.TrainerCallback):
+    """Seconds of each optimizer step after the first `warmup`, the devices synchronised at both ends."""
+
+    def __init__(self, warmup: int, devices: list[int]):
+        self.warmup, self.devices = warmup, devices
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.devices)
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.devices)
+        if state.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def synchronize(devices: list[int]) -> None:
     for d in devices:
         torch.cuda.synchronize(d)
 
 
-def measure(label, gpu0_bsz, args, device_ids, device):
-    """Peak memory per device and samples/s at args.batch_size; then the largest batch under the budget."""
-    devices = sorted(set(device_ids)) if not args.dry_run else []
-    model = build_model(args, device)
-    wrapped = wrap(model, device_ids, gpu0_bsz, args.dry_run)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step(wrapped, optimizer, args.batch_size, args, device)  # warm-up: allocates the optimizer state
-    synchronize(devices)
+# ---- Running one configuration through its Trainer ----
+
+
+@contextlib.contextmanager
+def data_parallel_over(device_ids: list[int]):
+    """
+    Within the block, a DataParallel wrapper built without `device_ids` (as both Trainers build theirs) spans
+    `device_ids`, a repeated id included: torch fills them in from `_get_all_device_indices`, looked up at call time.
+    """
+    module = importlib.import_module("torch.nn.parallel.data_parallel")
+    if not callable(getattr(module, "_get_all_device_indices", None)):
+        raise SystemExit(
+            f"torch {torch.__version__} has no torch.nn.parallel.data_parallel._get_all_device_indices, which this "
+            "benchmark replaces to set the Trainers' device_ids: run it with torch 2.x as pinned by the project."
+        )
+    saved = module._get_all_device_indices
+    module._get_all_device_indices = lambda: list(device_ids)
+    try:
+        yield
+    finally:
+        module._get_all_device_indices = saved
+
+
+def parallel(bench: Bench):
+    """The DataParallel of the run: simulated on CPU in a dry run, else torch's over `bench.device_ids`."""
+    if bench.args.dry_run:
+        from hf_parallel.testing import simulate_data_parallel
+
+        return simulate_data_parallel(len(bench.device_ids))
+    return data_parallel_over(bench.device_ids)
+
+
+def make_trainer(config: Config, bench: Bench, model, batch: int, max_steps: int, output_dir: str, callbacks=()):
+    library = transformers if config.stock else hf_parallel
+    n = len(bench.device_ids)
+    kwargs = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch // n,
+        max_steps=max_steps,
+        learning_rate=1e-5,
+        logging_steps=max_steps + 1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    if config.gpu0_bsz is not None:
+        kwargs["gpu0_bsz"] = config.gpu0_bsz
+    if bench.args.dry_run:
+        from hf_parallel.testing import simulated_training_args
+
+        training_args = simulated_training_args(n, library.TrainingArguments, **kwargs)
+    else:
+        training_args = library.TrainingArguments(**kwargs)
+        _ = training_args._setup_devices  # cached: n_gpu is computed here once, then set to the replicas' count
+        training_args._n_gpu = n
+    data = RandomTokens(batch * max_steps, bench.args.seq_len, bench.args.vocab_size)
+    trainer = library.Trainer(model=model, args=training_args, train_dataset=data, callbacks=list(callbacks))
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no metrics line per run
+    return trainer
+
+
+def train(config: Config, bench: Bench, model, batch: int, max_steps: int, callbacks=()) -> tuple[float, str]:
+    """`max_steps` steps of `batch` rows through the configuration's Trainer: the mean loss and the wrapper's name."""
+    with tempfile.TemporaryDirectory() as output_dir, parallel(bench):
+        trainer = make_trainer(config, bench, model, batch, max_steps, output_dir, callbacks)
+        output = trainer.train()
+        return output.training_loss, type(trainer.model_wrapped).__name__
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    # DataParallel re-raises a replica's error in the main thread; cuBLAS reports its own failed allocations.
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def release(devices: list[int], model=None) -> None:
+    """Free what a run left behind (gradients, the Trainer's optimizer state in reference cycles, cached blocks)."""
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if devices:
+        torch.cuda.empty_cache()
+
+
+def split_of(config: Config, batch: int, n: int) -> list[int]:
+    if config.gpu0_bsz is None:
+        sizes = torch_chunk_sizes(batch, n)
+        return sizes + [0] * (n - len(sizes))
+    return balanced_chunk_sizes(batch, n, gpu0_bsz=config.gpu0_bsz)
+
+
+def measure(config: Config, bench: Bench) -> Result:
+    args, devices = bench.args, bench.devices
+    result = Result(config, split_of(config, args.batch_size, len(bench.device_ids)))
+    for d in devices:
+        if torch.cuda.memory_allocated(d) > GIB / 4:  # a leak of the previous configuration would count here
+            held = torch.cuda.memory_allocated(d) / GIB
+            print(f"note: {held:.2f} GiB still allocated on GPU {d} before {config.label} (counted in its peak)")
+    model = build_model(bench)
+    timer = StepTimer(args.warmup, devices)
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step(wrapped, optimizer, args.batch_size, args, device)
-    synchronize(devices)
-    seconds = time.perf_counter() - start
-    result = {
-        "label": label,
-        "split": (
-            balanced_chunk_sizes(args.batch_size, len(device_ids), gpu0_bsz)
-            if gpu0_bsz is not None
-            else torch_chunk_sizes(args.batch_size, len(device_ids))
-        ),
-        "samples_per_s": args.steps * args.batch_size / seconds,
-        "peaks_gib": [torch.cuda.max_memory_allocated(d) / 2**30 for d in devices],
-        "largest_batch": None,
-    }
-    if not args.dry_run and not args.no_search:
-        result["largest_batch"] = largest_batch(wrapped, optimizer, args, device)
-    del wrapped, model, optimizer
-    gc.collect()
-    if not args.dry_run:
-        torch.cuda.empty_cache()
+    try:
+        result.train_loss, result.wrapper = train(
+            config, bench, model, args.batch_size, args.warmup + args.steps, [timer]
+        )
+        result.samples_per_s = args.batch_size / statistics.median(timer.times)
+    except Exception as error:  # one configuration's failure must not lose the others' figures
+        result.failure = "out of memory" if is_out_of_memory(error) else f"{type(error).__name__} (see stderr)"
+        if result.failure != "out of memory":
+            traceback.print_exc()
+    # Read after a failure too: how far it got.
+    result.peaks = [torch.cuda.max_memory_allocated(d) for d in devices]
+    release(devices, model)
+    if args.search and result.failure is None:
+        result.largest, result.largest_exact = largest_batch(config, bench, model)
+    del model
+    release(devices)
     return result
 
 
-def fits(wrapped, optimizer, batch_size, args, device):
+# ---- The largest batch under a memory cap ----
+
+
+def fits(config: Config, bench: Bench, model, batch: int) -> bool:
     try:
-        step(wrapped, optimizer, batch_size, args, device)
-        return True
-    except torch.OutOfMemoryError:
-        pass
-    # Outside the except block, so that the traceback (and the activations its frames hold) is gone.
-    optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return False
+        train(config, bench, model, batch, max_steps=2)  # the second step runs with the optimizer state allocated
+        fitted = True
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        fitted = False
+    # After the except block, so that the traceback (and the activations its frames hold) is gone.
+    release(bench.devices, model)
+    return fitted
 
 
-def largest_batch(wrapped, optimizer, args, device):
-    devices = sorted(set(wrapped.device_ids))
-    for d in devices:  # the cap applies to the search only
+def largest_batch(config: Config, bench: Bench, model) -> tuple[int, bool]:
+    """The largest per-step batch under the cap, and whether the bisection finished within its time bound."""
+    args, n = bench.args, len(bench.device_ids)
+    for d in bench.devices:  # the cap applies to the search only
         total = torch.cuda.get_device_properties(d).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * 2**30 / total), d)
-    low, high = 0, args.max_batch + 1  # low fits (0 trivially), high does not (or is past the search)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), d)
+    # Rows per device: `low` fits (0 trivially), `high` does not. hf_parallel refuses a gpu0_bsz above the per-device
+    # batch (GPU 0's even share), so the search starts there.
+    floor = config.gpu0_bsz or 0
+    low, high = 0, max(args.max_batch // n, floor) + 1
+    deadline = time.monotonic() + args.search_seconds
     try:
-        while high - low > 1:
+        if floor:
+            if not fits(config, bench, model, floor * n):
+                return 0, True
+            low = floor
+        while high - low > 1 and time.monotonic() < deadline:
             middle = (low + high) // 2
-            if fits(wrapped, optimizer, middle, args, device):
-                low = middle
-            else:
-                high = middle
+            low, high = (middle, high) if fits(config, bench, model, middle * n) else (low, middle)
     finally:
-        for d in devices:
+        for d in bench.devices:
             torch.cuda.set_per_process_memory_fraction(1.0, d)
-    return low
+    return low * n, high - low <= 1
 
 
-def report(results, device_ids, args):
-    stock = results[0]
-    print(
-        f"\nbatch {args.batch_size}, device_ids {device_ids}, seq_len {args.seq_len}, hidden {args.hidden_size}, "
-        f"{args.num_layers} layers, {args.num_labels} labels, {args.steps} timed steps"
+# ---- The printout ----
+
+
+def gathered_loss_line(label: str, batch: int, seq_len: int, vocab: int, dtype: str) -> str:
+    """What recomputing the loss from the logits gathered on GPU 0 puts there, whatever gpu0_bsz is."""
+    elements = batch * seq_len * vocab
+    gathered = elements * DTYPES[dtype].itemsize
+    fp32 = elements * 4
+    return (
+        f"  {label} (B={batch}, T={seq_len}, V={vocab}, {dtype}): the gathered logits {size(gathered)}, their fp32 "
+        f"copy B*T*V*4 = {size(fp32)} in forward, x3 = {size(3 * fp32)} at the backward peak"
     )
-    if len(set(device_ids)) < len(device_ids) and not args.dry_run:
-        print("One GPU: the replicas share its memory, so the per-device peaks below are the same figure.")
-    header = f"{'wrapper':<24}{'split':<24}{'samples/s':>10}{'ratio':>7}"
-    peaks_shown = bool(stock["peaks_gib"])
-    if peaks_shown:
-        header += "  peak GiB per GPU (ratio to stock)"
-    print(header)
+
+
+def size(count: int) -> str:
+    """Bytes in GiB, or in MiB / KiB when below one (the dry run's tiny sizes)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count / 2**10:.2f} KiB"
+
+
+def print_workload(bench: Bench, parameters: int) -> None:
+    args = bench.args
+    print(
+        f"\nLlamaForCausalLM from a config: vocab {args.vocab_size}, seq_len {args.seq_len}, "
+        f"hidden {args.hidden_size}, "
+        f"{args.num_layers} layers, {args.num_heads} heads ({args.num_kv_heads} KV), MLP {args.intermediate}; "
+        f"{parameters:,} parameters in {args.dtype} (no autocast), use_cache={not args.no_cache}; "
+        f"per-step batch {args.batch_size} on device_ids {bench.device_ids}; {args.warmup} warm-up + {args.steps} "
+        "timed steps per configuration."
+    )
+    if args.dry_run:
+        print(
+            f"Dry run: {args.dry_run} devices simulated on CPU, a tiny model; no memory figures, targets not assessed."
+        )
+    elif bench.one_gpu:
+        print(
+            "One GPU: both replicas share its memory, so the per-device peaks below are one figure (the whole batch); "
+            "target 2 needs two GPUs or more."
+        )
+
+
+def print_table(results: list[Result], bench: Bench) -> None:
+    stock = results[0]
+    header = f"{'configuration':<30}{'wrapper':<22}{'split (GPU 0 first)':<22}{'samples/s':>10}{'x stock':>8}"
+    header += f"{'loss':>9}"
+    if bench.devices:
+        header += "  peak GiB per GPU (x stock)"
+    print("\n" + header)
     for r in results:
-        line = f"{r['label']:<24}{str(r['split']):<24}{r['samples_per_s']:>10.1f}"
-        line += f"{r['samples_per_s'] / stock['samples_per_s']:>7.2f}"
-        if peaks_shown:
+        line = f"{r.config.label:<30}{r.wrapper:<22}{str(r.split):<22}"
+        if r.failure is not None:
+            line += f"{r.failure:>27}"
+        else:
+            speed = "" if stock.samples_per_s is None else f"{r.samples_per_s / stock.samples_per_s:.2f}"
+            line += f"{r.samples_per_s:>10.2f}{speed:>8}{r.train_loss:>9.4f}"
+        if bench.devices:
             line += "  " + ", ".join(
-                f"{p:.2f} ({p / s:.2f})" for p, s in zip(r["peaks_gib"], stock["peaks_gib"], strict=True)
+                f"{p / GIB:.2f} ({ratio(p, s)})" for p, s in zip(r.peaks, stock.peaks, strict=True)
             )
         print(line)
-    if stock["largest_batch"] is not None:
-        print(f"\nlargest per-step batch with every GPU capped at {args.budget_gib} GiB:")
+    if bench.args.search:
+        print(f"\nLargest per-step batch with every GPU capped at {bench.args.cap_gib} GiB (x stock):")
         for r in results:
-            print(
-                f"{r['label']:<24}{r['largest_batch']:>8}  ({r['largest_batch'] / max(1, stock['largest_batch']):.2f}"
-                " x stock)"
-            )
+            found = "-" if r.largest is None else ("" if r.largest_exact else ">= ") + str(r.largest)
+            times = "" if r.largest is None or not stock.largest else f" ({r.largest / stock.largest:.2f})"
+            print(f"  {r.config.label:<30}{found}{times}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}" if reference else "-"
+
+
+def print_analytic(bench: Bench) -> None:
+    args = bench.args
+    print(
+        "\nRecomputing the loss from the logits gathered on GPU 0 (hf_parallel's former exact loss under "
+        "DataParallel) puts there, whatever gpu0_bsz is:"
+    )
+    print(gathered_loss_line("these sizes", args.batch_size, args.seq_len, args.vocab_size, args.dtype))
+    print(gathered_loss_line("reference", *REFERENCE_SIZES, "bf16"))
+    print(
+        "  Stock gathers the logits too (DataParallel gathers every output) but computes each replica's loss where "
+        "its rows are. Per-replica loss sums and item counts, with no logits gathered, leave on GPU 0 only its own "
+        "rows' share of the fp32 figures (its rows / B) and bring it [rows, terms] numbers from the others."
+    )
+
+
+def assess(results: list[Result], bench: Bench) -> list[str]:
+    """One line per target, with PASS or MISS (or why it cannot be assessed)."""
+    if bench.args.dry_run:
+        return [f"  {i}. {t}: not assessed in a dry run" for i, t in enumerate(TARGETS, 1)]
+    stock, exact, balanced = results[0], results[1], results[2:]
+    if stock.failure is not None:
+        if stock.failure == "out of memory" and exact.failure is None:
+            first = "PASS (stock ran out of memory, exact did not)"
+        else:
+            first = f"not assessed: stock failed ({stock.failure}); exact: {exact.failure or 'ran'}"
+        return [f"  1. {TARGETS[0]}: {first}", f"  2. {TARGETS[1]}: not assessed: stock failed ({stock.failure})"]
+    base = stock.peaks[0]
+    if exact.failure is not None:
+        first = f"MISS ({exact.failure})"
+    else:
+        first = f"{size(exact.peaks[0])} vs {size(base)}: {'PASS' if exact.peaks[0] <= base else 'MISS'}"
+    lines = [f"  1. {TARGETS[0]}: {first}"]
+    if bench.one_gpu:
+        return lines + [f"  2. {TARGETS[1]}: not assessed on one GPU (the replicas share its memory)"]
+    cuts = {r.config.gpu0_bsz: r.failure or f"{1 - r.peaks[0] / base:.0%} below" for r in balanced}
+    met = any(r.failure is None and r.peaks[0] <= (1 - TARGET_REDUCTION) * base for r in balanced)
+    shown = ", ".join(f"gpu0_bsz={g}: {cut}" for g, cut in cuts.items())
+    return lines + [f"  2. {TARGETS[1]}: {shown}: {'PASS' if met else 'MISS'}"]
+
+
+# ---- Main ----
+
+
+def setup(args) -> Bench | None:
     if args.dry_run:
-        device = torch.device("cpu")
-        device_ids = list(range(args.dry_run))
-        args.hidden_size, args.num_layers, args.seq_len, args.num_labels = 32, 1, 16, 8
-        args.steps = min(args.steps, 2)
+        vars(args).update(TINY)
+        args.search = False
+        device_ids, device = list(range(args.dry_run)), torch.device("cpu")
+        args.batch_size = args.batch_size or 4 * args.dry_run
     elif not torch.cuda.is_available():
+        return None
+    else:
+        device_ids, device = choose_devices(args), torch.device("cuda", 0)
+        args.batch_size = args.batch_size or 8 * len(device_ids)
+    n = len(device_ids)
+    if args.batch_size % n:
+        raise SystemExit(f"--batch_size {args.batch_size} must be a multiple of the {n} devices (device_ids).")
+    args.max_batch = args.max_batch or 64 * n
+    even = args.batch_size // n
+    args.gpu0_bsz = args.gpu0_bsz or sorted({0, even // 4, even // 2})
+    if any(not 0 <= g <= even for g in args.gpu0_bsz):
+        raise SystemExit(
+            f"--gpu0_bsz {args.gpu0_bsz}: each value must be in [0, {even}], GPU 0's even share of the per-step batch "
+            f"({args.batch_size} rows on {n} devices); raise --batch_size for larger values."
+        )
+    return Bench(args, device_ids, device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bench = setup(args)
+    if bench is None:
         print(
-            "balance_gpu.py measures GPU memory and needs a CUDA GPU; none is visible here, so nothing was measured "
+            "balance_gpu measures GPU memory and needs a CUDA GPU; none is visible here, so nothing was measured "
             f"(exit code {NO_GPU_EXIT}). Run it on a GPU machine, or `--dry_run 3` to check the script on CPU.",
             file=sys.stderr,
         )
         return NO_GPU_EXIT
-    else:
-        device = torch.device("cuda", 0)
-        count = torch.cuda.device_count()
-        device_ids = list(range(count)) if count > 1 else [0, 0]
-    n = len(device_ids)
-    if args.batch_size <= 0:
-        args.batch_size = 16 * n
-    even = args.batch_size // n
-    gpu0_values = args.gpu0_bsz or sorted({max(0, even * k // 4) for k in (1, 2, 3)})
-    configs = [("stock nn.DataParallel", None)] + [(f"balanced gpu0_bsz={g}", g) for g in gpu0_values]
-    results = [measure(label, g, args, device_ids, device) for label, g in configs]
-    report(results, device_ids, args)
+    configs = [Config("stock transformers.Trainer", stock=True), Config("hf_parallel exact, even split", stock=False)]
+    configs += [Config(f"hf_parallel gpu0_bsz={g}", stock=False, gpu0_bsz=g) for g in args.gpu0_bsz]
+    with torch.device("meta"):  # the size only: no memory, no initialisation
+        parameters = sum(p.numel() for p in LlamaForCausalLM(model_config(args)).parameters())
+    print_workload(bench, parameters)
+    results = [measure(config, bench) for config in configs]
+    print_table(results, bench)
+    print_analytic(bench)
+    print("\nTargets:")
+    print("\n".join(assess(results, bench)))
+    failed = [r.config.label for r in results if r.failure not in (None, "out of memory")]
+    if failed:
+        print(f"\nFailed with an error (traceback on stderr): {', '.join(failed)}.", file=sys.stderr)
+        return FAILED_EXIT
     return 0
 
 

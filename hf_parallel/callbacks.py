@@ -12,6 +12,7 @@ from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
 from .checkpoints import CHECKPOINT_WEIGHT_FILES, checkpoint_weight_files, load_state_dict, stored_keys
+from .chunking import gpu0_balance
 from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
 from .unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
 from .validation import check_whole_number
@@ -148,13 +149,31 @@ class PeakMemoryCallback(TrainerCallback):
             state.log_history[-1].update(peaks)
 
 
+def _advice(steps: int, peaks: list[float], rows: list[int], static: float, suggestion: int) -> str:
+    """The advisor's warning: the suggestion, or why no `gpu0_bsz` evens the load (`gpu0_balance` below 0 rows)."""
+    gib = ", ".join(f"{p / 2**30:.2f}" for p in peaks)
+    measured = f"gpu0_bsz advisor: after {steps} steps with rows {rows} per GPU, peak memory {gib} GiB"
+    balance = gpu0_balance(peaks, rows, static)
+    if balance.rows >= 0:
+        return f"{measured}; gpu0_bsz={suggestion} should even it out (batches of {sum(rows)} rows)."
+    return (
+        f"{measured}; no gpu0_bsz evens it out: even gpu0_bsz=0 leaves GPU 0 highest (about "
+        f"{balance.gpu0_empty / 2**30:.2f} GiB vs {balance.others_full / 2**30:.2f} GiB on the others with all "
+        f"{sum(rows)} rows). Its fixed part (weights, gradients, optimizer state) is the limit, not its rows: use DDP "
+        "(`accelerate launch`, one process per GPU, each holding the same), or make that part smaller (e.g. an 8-bit "
+        "optimizer). gpu0_bsz=0 comes closest."
+    )
+
+
 class Gpu0BszAdvisorCallback(TrainerCallback):
     """
     Under `nn.DataParallel`, measure each GPU's peak memory over the first `after_steps` optimizer steps and log the
     `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
     `gpu0_bsz_suggested` in the next log. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set,
     else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of the model's parameter
-    and buffer bytes (a replica's static memory). Does nothing on CPU, on one GPU and under DDP.
+    and buffer bytes (a replica's static memory). When even `gpu0_bsz=0` would leave GPU 0 the highest, no value
+    evens the load: the warning says so, with the predicted peaks, and `gpu0_bsz_suggested` is 0, the closest value.
+    Does nothing on CPU, on one GPU and under DDP.
 
     Args:
         after_steps (`int`, *optional*, defaults to 3):
@@ -200,11 +219,7 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
             logger.warning(f"gpu0_bsz advisor: no suggestion ({reason})")
             return
         self._pending_log = True
-        gib = ", ".join(f"{p / 2**30:.2f}" for p in peaks)
-        logger.warning(
-            f"gpu0_bsz advisor: after {state.global_step} steps with rows {rows} per GPU, peak memory {gib} GiB; "
-            f"gpu0_bsz={self.suggestion} should even it out (batches of {batch_size} rows)."
-        )
+        logger.warning(_advice(state.global_step, peaks, rows, static, self.suggestion))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending_log and logs is not None:

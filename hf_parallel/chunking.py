@@ -3,8 +3,8 @@ How many rows of a batch each `DataParallel` device gets, and which split evens 
 torch.
 
 `balanced_chunk_sizes` is the rule of `BalancedDataParallel`, `torch_chunk_sizes` what stock `nn.DataParallel`
-does, `suggest_gpu0_bsz` the `gpu0_bsz` that evens out measured peak memory, and `check_split_options` the one check
-of the `gpu0_bsz` / `gpu0_weight` options.
+does, `suggest_gpu0_bsz` the `gpu0_bsz` that evens out measured peak memory (`gpu0_balance`: whether any does), and
+`check_split_options` the one check of the `gpu0_bsz` / `gpu0_weight` options.
 """
 
 from __future__ import annotations
@@ -12,10 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import NamedTuple
 
 from .validation import check_whole_number
 
-__all__ = ["balanced_chunk_sizes", "check_split_options", "suggest_gpu0_bsz", "torch_chunk_sizes"]
+__all__ = [
+    "Gpu0Balance",
+    "balanced_chunk_sizes",
+    "check_split_options",
+    "gpu0_balance",
+    "suggest_gpu0_bsz",
+    "torch_chunk_sizes",
+]
 
 
 def check_split_options(gpu0_bsz: int | None, gpu0_weight: float | None) -> None:
@@ -137,36 +145,61 @@ def torch_chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
     return [min(step, batch_size - start) for start in range(0, batch_size, step)]
 
 
-def suggest_gpu0_bsz(peak_memory: Sequence[float], chunk_sizes: Sequence[int], static_memory: float = 0.0) -> int:
+class Gpu0Balance(NamedTuple):
     """
-    The `gpu0_bsz` that evens out peak memory across GPUs, from the peaks measured under a known split.
+    The split that evens out peak memory across GPUs under the linear memory model of `gpu0_balance`.
+
+    Args:
+        rows (`float`):
+            GPU 0's rows that equalise its peak and the mean of the others, unrounded and unclamped: below 0 when
+            even `gpu0_bsz=0` leaves GPU 0 the highest, above the even share when GPU 0 is not the highest.
+        gpu0_empty (`float`):
+            GPU 0's predicted peak with no rows (`gpu0_bsz=0`): its fixed part.
+        others_full (`float`):
+            The other GPUs' predicted mean peak when they share the whole batch.
+    """
+
+    rows: float
+    gpu0_empty: float
+    others_full: float
+
+
+def gpu0_balance(peak_memory: Sequence[float], chunk_sizes: Sequence[int], static_memory: float = 0.0) -> Gpu0Balance:
+    """
+    The rows of GPU 0 that even out peak memory across GPUs, from the peaks measured under a known split, unclamped,
+    with the peaks predicted at `gpu0_bsz=0`: what `suggest_gpu0_bsz` rounds and clamps, and what tells whether any
+    `gpu0_bsz` evens the load at all.
 
     The model: each GPU's peak is a constant part plus a per-row part that is the same on every GPU; GPU 0's
     constant part is larger (master weights, gradients, optimizer state, gathered outputs, the loss). The per-row
-    cost is estimated on the other GPUs as `(mean peak - static_memory) / mean rows`, where `static_memory` is the
-    part of their peak that does not grow with rows (at least the replica's weights). Then GPU 0 gets the rows `g`
-    that equalise `peak_0 + cost * (g - rows_0)` and the mean of the others once they share the rest, rounded down
-    and kept within `[0, batch // n]`; the largest `g` means no `gpu0_bsz` is needed.
-
-    With `static_memory` below the true constant part (the default 0 is the extreme), the per-row cost is
-    overestimated and the suggestion moves fewer rows off GPU 0 than needed: it errs towards the current split.
+    cost `c` is estimated on the other GPUs as `(mean peak - static_memory) / mean rows`, where `static_memory` is
+    the part of their peak that does not grow with rows (at least the replica's weights). GPU 0 with `g` rows then
+    peaks at `peak_0 + c * (g - rows_0)`, and the others, sharing the rest, at their mean peak plus `c` times their
+    change in mean rows. `rows` is the `g` where the two meet. It is below 0 exactly when `gpu0_empty` is above
+    `others_full`: GPU 0's fixed part alone is above what the others reach with the whole batch, so no `gpu0_bsz`
+    evens the load.
 
     Args:
         peak_memory (`Sequence[float]`):
-            Peak memory of each GPU, GPU 0 first (bytes, or any unit used throughout).
+            As in `suggest_gpu0_bsz`: each GPU's peak, GPU 0 first.
         chunk_sizes (`Sequence[int]`):
-            Rows each GPU had per batch when the peaks were measured (same length).
+            As in `suggest_gpu0_bsz`: each GPU's rows when the peaks were measured.
         static_memory (`float`, *optional*, defaults to `0.0`):
-            Memory of a GPU other than GPU 0 that does not depend on its rows, e.g. the model's parameter bytes.
+            As in `suggest_gpu0_bsz`: the other GPUs' memory that does not grow with rows.
 
     Returns:
-        `int`: the suggested `gpu0_bsz` for batches of `sum(chunk_sizes)` rows.
+        `Gpu0Balance`: `rows`, `gpu0_empty` and `others_full`, in the unit of `peak_memory`.
+
+    Raises:
+        `ValueError`: for measurements that do not fit the model (lengths, values, no rows on the other GPUs, a
+        `static_memory` not below their peak), naming the values.
 
     ```python
-    from hf_parallel.chunking import suggest_gpu0_bsz
+    from hf_parallel.chunking import gpu0_balance
 
-    # 32 rows split [16, 16]: GPU 0 peaks at 20 GB, GPU 1 at 12 GB, of which 4 GB are the weights.
-    suggest_gpu0_bsz([20e9, 12e9], [16, 16], static_memory=4e9)  # 8: both would then peak at 16 GB
+    # 32 rows split [8, 8, 8, 8]: GPU 0 peaks at 70 GB, the others at 30 GB, of which 10 GB are the weights.
+    gpu0_balance([70e9, 30e9, 30e9, 30e9], [8, 8, 8, 8], static_memory=10e9)
+    # rows -4.0: with no rows GPU 0 would still peak at 50 GB, the others at about 36.7 GB with all 32 rows
     ```
     """
     peaks, rows = list(peak_memory), list(chunk_sizes)
@@ -195,6 +228,46 @@ def suggest_gpu0_bsz(peak_memory: Sequence[float], chunk_sizes: Sequence[int], s
             f"The other GPUs' mean peak ({other_peak:.4g}) is not above static_memory ({static_memory:.4g}), so "
             "the memory cost of a row cannot be measured: lower static_memory."
         )
-    best = (batch_size + (n - 1) * ((other_peak - peaks[0]) / per_row - (other_rows - rows[0]))) / n
+    return Gpu0Balance(
+        rows=(batch_size + (n - 1) * ((other_peak - peaks[0]) / per_row - (other_rows - rows[0]))) / n,
+        gpu0_empty=peaks[0] - per_row * rows[0],
+        others_full=other_peak + per_row * (batch_size / (n - 1) - other_rows),
+    )
+
+
+def suggest_gpu0_bsz(peak_memory: Sequence[float], chunk_sizes: Sequence[int], static_memory: float = 0.0) -> int:
+    """
+    The `gpu0_bsz` that evens out peak memory across GPUs, from the peaks measured under a known split: the rows of
+    `gpu0_balance` (see its memory model), rounded down and kept within `[0, batch // n]`; the largest value means
+    no `gpu0_bsz` is needed.
+
+    When even `gpu0_bsz=0` leaves GPU 0 the highest, no value evens the load: GPU 0's fixed part (weights,
+    gradients, optimizer state) is the limit, not its rows. The result is then 0, the closest there is, but it does
+    not even the load out; `gpu0_balance(...).rows < 0` tells this case apart, and its `gpu0_empty` and
+    `others_full` say by how much.
+
+    With `static_memory` below the true constant part (the default 0 is the extreme), the per-row cost is
+    overestimated and the suggestion moves fewer rows off GPU 0 than needed: it errs towards the current split.
+
+    Args:
+        peak_memory (`Sequence[float]`):
+            Peak memory of each GPU, GPU 0 first (bytes, or any unit used throughout).
+        chunk_sizes (`Sequence[int]`):
+            Rows each GPU had per batch when the peaks were measured (same length).
+        static_memory (`float`, *optional*, defaults to `0.0`):
+            Memory of a GPU other than GPU 0 that does not depend on its rows, e.g. the model's parameter bytes.
+
+    Returns:
+        `int`: the suggested `gpu0_bsz` for batches of `sum(chunk_sizes)` rows.
+
+    ```python
+    from hf_parallel.chunking import suggest_gpu0_bsz
+
+    # 32 rows split [16, 16]: GPU 0 peaks at 20 GB, GPU 1 at 12 GB, of which 4 GB are the weights.
+    suggest_gpu0_bsz([20e9, 12e9], [16, 16], static_memory=4e9)  # 8: both would then peak at 16 GB
+    ```
+    """
+    balance = gpu0_balance(peak_memory, chunk_sizes, static_memory)
+    batch_size, n = sum(chunk_sizes), len(chunk_sizes)
     # A hair of tolerance, so that an exact balance is not floored one row short by float rounding.
-    return max(0, min(batch_size // n, math.floor(best + 1e-9)))
+    return max(0, min(batch_size // n, math.floor(balance.rows + 1e-9)))

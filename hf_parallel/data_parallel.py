@@ -26,7 +26,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
 from .scatter import batch_rows, scatter_inputs
-from .transport import CudaTransport, TransportDataParallel
+from .transport import CudaTransport, TransportDataParallel, route_gradients_to
 
 __all__ = [
     "BalancedDataParallel",
@@ -143,13 +143,28 @@ class BalancedDataParallel(TransportDataParallel):
                 copy=lambda tensor: transport.copy(tensor, device_ids),
             )
             if positions[0] != 0:
-                # GPU 0 gets no rows but keeps the master copy: replicate from it and drop its replica (torch's
-                # broadcast needs the source tensors on the first device of the list).
-                replicas = self.replicate(self.module, [self.device_ids[0], *device_ids])[1:]
+                replicas = self._replicas_without_gpu0(device_ids)
             else:
                 replicas = self.replicate(self.module, device_ids)
             outputs = self.parallel_apply(replicas, inputs, module_kwargs, device_ids)
+            if positions[0] != 0 and self.training:
+                _keep_buffers(self.module, replicas[0])
             return self.gather(outputs, self.output_device)
+
+    def _replicas_without_gpu0(self, device_ids: list[int]) -> list[nn.Module]:
+        """
+        Replicas on `device_ids` when GPU 0 gets no rows but holds the module. torch's broadcast needs the source
+        first in the device list, so the module is replicated onto GPU 0 too and that replica dropped. With
+        gradients, torch's `Broadcast` would then give the dropped replica a parameter-sized zero gradient on GPU 0
+        in backward: replicate without autograd instead, and route the gradients of the replicas that run straight
+        back to the module's parameters.
+        """
+        devices = [self.device_ids[0], *device_ids]
+        if not torch.is_grad_enabled():
+            return self.replicate(self.module, devices)[1:]
+        with torch.no_grad():
+            replicas = self.replicate(self.module, devices)[1:]
+        return route_gradients_to(self.module, replicas)
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
         """
@@ -162,8 +177,29 @@ class BalancedDataParallel(TransportDataParallel):
             # device. Stock would run every device on a copy of the call (and fail on a 0-dim tensor).
             return [0], [0]
         sizes = self.chunk_sizes(batch_size)
+        if self.training and 1 in sizes and _has_batch_norm(self.module):
+            logger.warning_once(
+                f"BalancedDataParallel: a device gets 1 row of a {batch_size}-row batch (split {sizes}, "
+                f"gpu0_bsz={self.gpu0_bsz}, gpu0_weight={self.gpu0_weight}) and the model has BatchNorm layers: "
+                "training BatchNorm on one row fails ('Expected more than 1 value per channel') or normalises by "
+                "that row alone. Use gpu0_bsz=0 or a split that gives every device at least 2 rows."
+            )
         positions = [p for p, size in enumerate(sizes) if size > 0]
         return positions, [sizes[p] for p in positions]
+
+
+def _has_batch_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+@torch.no_grad()
+def _keep_buffers(module: nn.Module, replica: nn.Module) -> None:
+    # nn.DataParallel keeps the buffer updates of the replica on GPU 0 (its buffers are the module's own), e.g.
+    # BatchNorm's running statistics. When GPU 0 gets no rows its replica does not run: keep those of the first
+    # replica that ran instead, or they would never update.
+    for own, updated in zip(module.buffers(), replica.buffers(), strict=True):
+        if own is not updated:
+            own.copy_(updated)
 
 
 def _check_module_device(wrapper: nn.DataParallel) -> None:

@@ -206,7 +206,11 @@ def check_not_empty(dataset, name: str) -> None:
     """
     if dataset is None or not hasattr(dataset, "__len__"):
         return
-    if len(dataset) == 0:
+    try:
+        length = len(dataset)
+    except TypeError:  # accelerate's IterableDatasetShard around a dataset without a length
+        return
+    if length == 0:
         raise ValueError(
             f"{name} is empty (a {type(dataset).__name__} of length 0): there is nothing to "
             f"{'train on' if name.startswith('train') else 'evaluate'}. Check the file, split or filter that built "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -16,6 +17,18 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper
 from .exact import ExactLoss, LossHead, StepCounts, pull_batches
+from .exact.fallback import stock_compute_loss, stock_training_step
+from .exact.replicas import (
+    ReplicaStep,
+    is_data_parallel,
+    outputs_device,
+    replica_autocast,
+    replicating,
+    run_in_replicas,
+    takes_use_cache,
+    without_cache,
+)
+from .exact.streams import count_samples, gather_samples
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
@@ -73,7 +86,7 @@ class TrainerMixin:
             label_smoothing=self.args.label_smoothing_factor,
             num_processes=self.accelerator.num_processes if distributed else 1,
             reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
-            gather_rows=self.accelerator.gather_for_metrics,
+            gather_rows=lambda rows: gather_samples(self.accelerator, rows),
             unwrap=self.accelerator.unwrap_model,
         )
         if args.exact_loss and not args.average_tokens_across_devices:
@@ -111,6 +124,8 @@ class TrainerMixin:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         # Stock's loop without its count: the stock count costs a collective under DDP, and the exact one replaces it.
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
+        if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
+            return batch_samples, None
         head = self._exact_head(batch_samples[0] if batch_samples else None)
         if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
@@ -126,7 +141,7 @@ class TrainerMixin:
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
     ) -> torch.Tensor:
         if not isinstance(num_items_in_batch, StepCounts):
-            return super().training_step(model, inputs, num_items_in_batch)
+            return stock_training_step(self, super().training_step, model, inputs, num_items_in_batch)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
         with temporarily(self, "loss_is_scaled_for_ga", True):
@@ -141,24 +156,55 @@ class TrainerMixin:
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         head = self._exact_head(inputs)
         if head is None or not head.has_labels(inputs):
-            return super().compute_loss(model, inputs, return_outputs, StepCounts.as_stock(num_items_in_batch))
+            count = StepCounts.as_stock(num_items_in_batch)
+            with self._replica_precision(model):
+                return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
         inputs, labels = self.exact.split_labels(head, inputs, model)
-        outputs = model(**inputs)
-        loss = self.exact.loss(
-            head,
-            outputs,
-            labels,
-            step,
-            inputs,
-            loss_func=self.compute_loss_func,
-            main_input_name=self._main_input_name(),
-        )
+        terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs)
+        loss = self.exact.reduce(head, terms, step)
         if not return_outputs:
             return loss
-        if not isinstance(outputs, dict):
+        if outputs is None:
+            outputs = {}  # prediction_loss_only under DataParallel: no outputs were gathered
+        elif not isinstance(outputs, dict):
             outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
         return loss, outputs
+
+    def _loss_terms(self, model, head: LossHead, inputs: dict, labels: dict, step, return_outputs: bool):
+        """
+        The loss terms of one forward (see `ExactLoss.terms`) and its outputs when asked for. Under DataParallel each
+        replica computes its own rows' terms, so only those travel to GPU 0, and the outputs (logits) only when
+        wanted (not for training, not for evaluation with `prediction_loss_only`).
+        """
+        loss_func = self.compute_loss_func
+        total = None
+        if loss_func is not None:
+            total = self.exact.user_loss_total(head, labels, step, inputs, self._main_input_name())
+        data_parallel = is_data_parallel(model)
+        keep = return_outputs and (self.exact.outputs_wanted or not data_parallel)
+
+        def forward(run, inputs: dict, labels: dict):
+            outputs = run(**inputs)
+            here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
+            terms = self.exact.terms(head, outputs, labels, inputs, loss_func=loss_func, total=here)
+            if not keep:
+                return terms, None
+            return terms, (without_cache(outputs) if data_parallel else outputs)
+
+        if not data_parallel:
+            return forward(model, inputs, labels)
+        if not keep and "use_cache" not in inputs and takes_use_cache(model.module):
+            inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
+        return run_in_replicas(model, forward, inputs, labels, replica_autocast(self.accelerator.mixed_precision))
+
+    def _replica_precision(self, model: nn.Module):
+        """For the stock loss under DataParallel: the requested mixed precision in every replica (see
+        `hf_parallel.exact.replicas`); a no-op otherwise."""
+        dtype = replica_autocast(self.accelerator.mixed_precision)
+        if dtype is None or not is_data_parallel(model):
+            return contextlib.nullcontext()
+        return replicating(model, ReplicaStep(model.module, _plain_forward, (), dtype))
 
     def evaluation_loop(
         self,
@@ -169,7 +215,10 @@ class TrainerMixin:
         metric_key_prefix: str = "eval",
     ):
         check_not_empty(dataloader.dataset, _dataset_name(description, metric_key_prefix))
-        self.exact.start_evaluation()
+        self._count_samples(dataloader, _dataset_name(description, metric_key_prefix))
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
+        self.exact.start_evaluation(keep_outputs=not prediction_loss_only)
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
@@ -180,6 +229,21 @@ class TrainerMixin:
             # Stock reports the mean of per-batch means; this is sum of losses / sum of items over the whole set.
             output.metrics[f"{metric_key_prefix}_loss"] = exact
         return output
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        # An epoch's last step then knows which samples of an iterable set each rank reads itself are real.
+        self._count_samples(dataloader, "train_dataset")
+        return dataloader
+
+    def _count_samples(self, dataloader, dataset_name: str) -> None:
+        """Count the samples of an iterable dataset each rank reads itself (`hf_parallel.exact.streams`), so that
+        the samples accelerate repeats to fill its last batch are left out; warn once where they cannot be."""
+        if not self.args.exact_loss:
+            return
+        cannot = count_samples(dataloader, dataset_name)
+        if cannot is not None:
+            self.exact.warn_once(cannot)
 
     # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in data_parallel.py) ----
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
@@ -261,6 +325,10 @@ class TrainerMixin:
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)
+
+
+def _plain_forward(run, inputs: dict, labels: dict):
+    return run(**inputs)
 
 
 def _dataset_name(description: str, metric_key_prefix: str) -> str:

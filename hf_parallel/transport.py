@@ -19,7 +19,7 @@ from torch.nn.parallel import parallel_apply, replicate
 from torch.nn.parallel._functions import Scatter
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-__all__ = ["CudaTransport", "TransportDataParallel"]
+__all__ = ["CudaTransport", "TransportDataParallel", "route_gradients_to"]
 
 
 class CudaTransport:
@@ -145,3 +145,57 @@ class TransportDataParallel(nn.DataParallel):
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         return self.transport.gather(outputs, output_device, self.dim)
+
+
+class _GradientsToSource(torch.autograd.Function):
+    """
+    Identity on the replicas' copies of parameters (made without autograd), whose backward sends their gradients to
+    the parameters themselves: the sum over replicas of each one, moved to its device. Unlike torch's `Broadcast`,
+    it asks for no gradient of a device that holds no replica.
+    """
+
+    @staticmethod
+    def forward(ctx, num_params: int, *tensors: torch.Tensor):
+        ctx.num_params = num_params
+        ctx.devices = [t.device for t in tensors[:num_params]]
+        ctx.set_materialize_grads(False)  # a replica that did not use a parameter sends nothing
+        return tuple(tensors[num_params:])  # returned as views, so that they carry this node
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        num_params = ctx.num_params
+        sums: list[torch.Tensor | None] = [None] * num_params
+        for i, grad in enumerate(grads):
+            if grad is None:
+                continue
+            index = i % num_params
+            grad = grad.to(ctx.devices[index])
+            sums[index] = grad if sums[index] is None else sums[index] + grad
+        return (None, *sums, *([None] * len(grads)))
+
+
+def route_gradients_to(module: nn.Module, replicas: Sequence[nn.Module]) -> list[nn.Module]:
+    """
+    Make `replicas` of `module`, replicated without autograd (`torch.no_grad()`), send their parameters' gradients
+    back to `module`'s parameters (summed), and return them. A replica that *is* `module` (a transport that runs every
+    chunk on the module itself) is left as it is.
+
+    The replicas' parameters that require gradients are replaced, in every submodule, by views of them that carry
+    the routing; the others (frozen parameters) and the buffers stay the detached copies.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    copies_of = [r for r in replicas if r is not module]
+    if not params or not copies_of:
+        return list(replicas)
+    index = {p: i for i, p in enumerate(params)}
+    slots = []  # (replica submodule, attribute, parameter index), in replica order
+    for replica in copies_of:
+        for own, copy in zip(module.modules(), replica.modules(), strict=True):
+            for key, param in own._parameters.items():
+                if param is not None and param in index:
+                    slots.append((copy, key, index[param]))
+    routed = _GradientsToSource.apply(len(params), *params, *(getattr(copy, key) for copy, key, _ in slots))
+    for (copy, key, _), tensor in zip(slots, routed, strict=True):
+        copy._parameters.pop(key, None)  # a replica holds plain tensors, not nn.Parameters (torch's replicas too)
+        setattr(copy, key, tensor)
+    return list(replicas)

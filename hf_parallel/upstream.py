@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["HOOKS", "INSTANCE_ATTRIBUTES", "TRAINING_ATTRIBUTES", "Hook", "temporarily"]
+__all__ = ["HOOKS", "INSTANCE_ATTRIBUTES", "SHARD_ATTRIBUTES", "TRAINING_ATTRIBUTES", "Hook", "temporarily"]
 
 
 class Hook(NamedTuple):
@@ -33,6 +33,7 @@ HOOKS = (
         ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix"),
         "exact eval_loss",
     ),
+    Hook("get_train_dataloader", ("self",), "count the samples of an iterable set each rank reads itself"),
     Hook("train", ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"), "DDP after evaluate()"),
     Hook("_finalize_training", ("self", "trial", "num_train_samples", "start_time"), "exact train_loss under DDP"),
     Hook("_get_num_items_in_batch", ("self", "batch_samples", "device"), "the stock count, on fallback"),
@@ -57,7 +58,11 @@ INSTANCE_ATTRIBUTES = (
     ("trainer", "label_names", "the label keys of the exact loss"),
     ("trainer", "model_accepts_loss_kwargs", "stock passes num_items_in_batch to such models"),
     ("accelerator", "_models", "accelerate's prepared models: the DDP wrapper lives there too"),
+    ("accelerator", "gradient_state", "the active dataloader: at its end, which samples of its last batch are real"),
 )
+# Attributes of accelerate's `IterableDatasetShard` (an iterable dataset each rank reads itself) that
+# `hf_parallel.exact.streams` reads, or sets (`dataset`), to count its samples.
+SHARD_ATTRIBUTES = ("dataset", "batch_size", "num_processes", "split_batches", "drop_last")
 # Set only during training, read by `_finalize_training`.
 TRAINING_ATTRIBUTES = (("trainer", "_tr_loss", "this rank's loss not logged yet"),)
 

@@ -47,6 +47,22 @@ def no_launcher(monkeypatch):
 
 
 @pytest.fixture
+def no_gpus(monkeypatch):
+    """
+    This process sees no CUDA device, whatever the machine has: for tests about CPU behaviour, whose outcome must
+    not change on a GPU machine. torch finds no GPU, and so do transformers (`TrainingArguments.n_gpu`, the device),
+    accelerate (`PartialState`), `nn.DataParallel` (which, on one GPU, moves the model to it when built) and
+    hf_parallel, since they all ask `torch.cuda`. CUDA counts as never initialised, as without a GPU, even after an
+    earlier test initialised it. Processes the test starts need `NO_GPUS` (tests/paths.py) in their environment
+    instead. Returns `monkeypatch`.
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    return monkeypatch
+
+
+@pytest.fixture
 def hf_parallel_log():
     """The warnings of the `hf_parallel` loggers during the test: `.records`, `.messages`, `.text`."""
     with record_hf_parallel_log() as log:

@@ -49,9 +49,10 @@ def _gpt2(seed: int):
     return GPT2LMHeadModel(config)
 
 
-def _llama(seed: int):
+def llama(seed: int, **config):
+    """The tiny Llama of the matrix; `config` overrides its settings (e.g. a wider vocabulary)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=32,
@@ -61,7 +62,7 @@ def _llama(seed: int):
         max_position_embeddings=32,
         use_cache=False,
     )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **config}))
 
 
 def _bart(seed: int):
@@ -224,8 +225,8 @@ CASES = {
     case.name: case
     for case in (
         Case("gpt2_causal_lm", _gpt2, lm_rows),
-        Case("llama_causal_lm", _llama, lm_rows),
-        Case("llama_shift_labels", _llama, shift_label_rows),
+        Case("llama_causal_lm", llama, lm_rows),
+        Case("llama_shift_labels", llama, shift_label_rows),
         Case("bart_seq2seq", _bart, seq2seq_rows),
         Case("bert_masked_lm", _bert(BertForMaskedLM), mlm_rows),
         Case("bert_token_classification", _bert(BertForTokenClassification, num_labels=NUM_LABELS), token_rows),
@@ -250,7 +251,7 @@ CASES = {
             _lora(_bert(BertForSequenceClassification, num_labels=NUM_LABELS), "SEQ_CLS", ["query", "value"]),
             single_label_rows,
         ),
-        Case("lora_llama_causal_lm", _lora(_llama, "CAUSAL_LM", ["q_proj", "v_proj"]), lm_rows),
+        Case("lora_llama_causal_lm", _lora(llama, "CAUSAL_LM", ["q_proj", "v_proj"]), lm_rows),
     )
 }
 

@@ -7,6 +7,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# In a child process's environment: it sees no GPU (CUDA reads the variable when it initialises), so a test of a CPU
+# run (a launch with gloo, a CPU-only config) has the same outcome on a machine with GPUs. In-process: `no_gpus`.
+NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
 
 def repo_env(**extra: str) -> dict[str, str]:
     """

@@ -59,7 +59,8 @@ def test_callback_leaves_clean_checkpoints_alone(tmp_path):
     assert callback.rewritten == []
 
 
-def test_callback_replaces_every_file_of_a_sharded_prefixed_checkpoint(tmp_path):
+def test_callback_replaces_every_file_of_a_sharded_prefixed_checkpoint(tmp_path, no_gpus):
+    # no_gpus: the nn.DataParallel below stays on the CPU; with one GPU it would move the model to it.
     model = tiny_bert_classifier()
     checkpoint = tmp_path / "checkpoint-3"
     model.save_pretrained(checkpoint, max_shard_size="4KB")
@@ -86,7 +87,8 @@ def test_callback_replaces_every_file_of_a_sharded_prefixed_checkpoint(tmp_path)
 # ---- PeakMemoryCallback and Gpu0BszAdvisorCallback ----
 
 
-def test_callbacks_do_nothing_on_cpu():
+def test_callbacks_do_nothing_on_cpu(no_gpus):
+    # Simulated DataParallel reports n_gpu=2: on a machine with GPUs the callbacks would measure real ones.
     advisor = Gpu0BszAdvisorCallback(after_steps=1)
     topology = Topology("DP 2", per_device=2, dp_devices=2)
     callbacks = (PeakMemoryCallback(), advisor)
@@ -158,3 +160,27 @@ def test_advisor_uses_the_balanced_split_in_use(monkeypatch, tmp_path):
     assert advisor.measured["rows"] == [2, 5, 5]
     # Equal peaks under the split in use: it already evens memory out, so the advice is the gpu0_bsz in use.
     assert advisor.suggestion == suggest_gpu0_bsz([10.0, 10.0, 10.0], [2, 5, 5]) == 2
+
+
+def test_advisor_says_when_no_gpu0_bsz_evens_the_load(monkeypatch, tmp_path, hf_parallel_log):
+    gib = 2**30
+    args = training_args(tmp_path, dp_devices=4, per_device_train_batch_size=8)
+    state = TrainerState()
+    state.global_step = 1
+    # Rows [8, 8, 8, 8], no static part: a row costs 30/8 GiB, so GPU 0 with no rows would still peak at 80 - 30 =
+    # 50 GiB, above the 30 + 30/8 x (32/3 - 8) = 40 GiB the others would reach with all 32 rows.
+    FakeCuda(monkeypatch, [80 * gib, 30 * gib, 30 * gib, 30 * gib])
+    advisor = Gpu0BszAdvisorCallback(after_steps=1)
+    advisor.on_step_end(args, state, None, model=None)
+    assert advisor.suggestion == 0  # the closest value, still logged
+    assert "even gpu0_bsz=0 leaves GPU 0 highest (about 50.00 GiB vs 40.00 GiB" in hf_parallel_log.text
+    assert "use DDP" in hf_parallel_log.text and "should even it out" not in hf_parallel_log.text
+    logs = {}
+    advisor.on_log(args, state, None, logs=logs)
+    assert logs == {"gpu0_bsz_suggested": 0}
+    # Control: a GPU 0 only 10 GiB higher can be evened out, and the message says so.
+    FakeCuda(monkeypatch, [40 * gib, 30 * gib, 30 * gib, 30 * gib])
+    advisor = Gpu0BszAdvisorCallback(after_steps=1)
+    advisor.on_step_end(args, state, None, model=None)
+    assert advisor.suggestion == 6  # GPU 0 at 40 - 30/8 x 2 = 32.5 GiB, the others at 30 + 30/8 x 2/3 = 32.5 GiB
+    assert f"gpu0_bsz={advisor.suggestion} should even it out (batches of 32 rows)" in hf_parallel_log.text

@@ -71,7 +71,8 @@ def _bert_mlm(seed):
     return BertForMaskedLM(tiny_bert_config())
 
 
-def test_load_every_file_format(tmp_path):
+def test_load_every_file_format(tmp_path, no_gpus):
+    # no_gpus: with one GPU, nn.DataParallel below would move `source` to it, and its weights would not compare.
     source = tiny_bert_classifier(seed=0)
     prefixed = nn.DataParallel(torch.compile(source, backend="eager")).state_dict()
     safetensors.torch.save_file({k: v.contiguous() for k, v in prefixed.items()}, tmp_path / "w.safetensors")

@@ -1,6 +1,7 @@
 """The split arithmetic: balanced_chunk_sizes and suggest_gpu0_bsz (property tests), and the one check of the split
 options that BalancedDataParallel and TrainingArguments share."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -9,11 +10,20 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_parallel import BalancedDataParallel, TrainingArguments, balanced_chunk_sizes, suggest_gpu0_bsz
+from hf_parallel.chunking import gpu0_balance
 
 BATCH = st.integers(0, 300)
 DEVICES = st.integers(1, 9)
 GPU0_BSZ = st.none() | st.integers(0, 200)
 GPU0_WEIGHT = st.floats(0, 1, allow_nan=False) | st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0])
+# A linear memory model (memory = constant + per-row cost x rows), measured at an even split.
+LINEAR_MEMORY = (
+    st.integers(2, 8),  # GPUs
+    st.integers(1, 64),  # rows per GPU at the even split
+    st.integers(1, 1000),  # per-row memory
+    st.integers(0, 50_000),  # constant memory of the other GPUs
+    st.integers(0, 100_000),  # GPU 0's extra constant memory
+)
 
 
 def _gpu0_cap(batch_size, num_devices, gpu0_bsz, gpu0_weight):
@@ -170,16 +180,12 @@ def test_suggest_gpu0_bsz_examples(peaks, rows, static, expected):
 def test_suggest_gpu0_bsz_rejects_bad_measurements(peaks, rows, static, message):
     with pytest.raises(ValueError, match=message):
         suggest_gpu0_bsz(peaks, rows, static)
+    with pytest.raises(ValueError, match=message):
+        gpu0_balance(peaks, rows, static)
 
 
 @settings(max_examples=1000, deadline=None)
-@given(
-    st.integers(2, 8),  # GPUs
-    st.integers(1, 64),  # rows per GPU at the even split
-    st.integers(1, 1000),  # per-row memory
-    st.integers(0, 50_000),  # constant memory of the other GPUs
-    st.integers(0, 100_000),  # GPU 0's extra constant memory
-)
+@given(*LINEAR_MEMORY)
 def test_suggestion_evens_out_a_linear_memory_model(n, per_gpu, per_row, static, extra):
     # Memory = constant + per_row x rows on every GPU, GPU 0's constant larger by `extra`; measured at an even split.
     batch = n * per_gpu
@@ -200,6 +206,46 @@ def test_suggestion_evens_out_a_linear_memory_model(n, per_gpu, per_row, static,
         assert gpu0(g + 1) > others(g + 1) - 1e-6  # ...and one more row would make it heavier
     # Without the static part the per-row cost is overestimated: the suggestion moves no more rows than needed.
     assert g <= suggest_gpu0_bsz(peaks, rows, 0.0) <= per_gpu
+
+
+@pytest.mark.parametrize(
+    "peaks, rows, static, balanced_rows, gpu0_empty, others_full",
+    [
+        # Peaks [70, 30, 30, 30] GB on 32 rows, 10 GB of weights: with no rows GPU 0 still peaks at 50 GB, above the
+        # others' 36.7 GB with all 32 rows, so no gpu0_bsz evens the load (suggest_gpu0_bsz clamps to 0).
+        ([70e9, 30e9, 30e9, 30e9], [8, 8, 8, 8], 10e9, -4.0, 50e9, 30e9 + 2.5e9 * (32 / 3 - 8)),
+        ([30e9, 10e9, 10e9], [8, 8, 8], 2e9, -16 / 3, 22e9, 14e9),
+        ([20e9, 12e9], [16, 16], 4e9, 8.0, 12e9, 20e9),  # evened at 8 rows: both at 16 GB
+        ([12e9, 12e9, 12e9], [16, 16, 16], 4e9, 16.0, 4e9, 16e9),  # even already: the even share
+        ([10e9, 14e9], [8, 8], 6e9, 10.0, 2e9, 22e9),  # GPU 0 the lower one: above the even share
+    ],
+)
+def test_gpu0_balance_tells_whether_any_gpu0_bsz_evens_the_load(
+    peaks, rows, static, balanced_rows, gpu0_empty, others_full
+):
+    balance = gpu0_balance(peaks, rows, static)
+    assert balance.rows == pytest.approx(balanced_rows)
+    assert balance.gpu0_empty == pytest.approx(gpu0_empty)
+    assert balance.others_full == pytest.approx(others_full)
+    assert (balance.rows < 0) == (balance.gpu0_empty > balance.others_full)
+    even_share = sum(rows) // len(rows)
+    assert suggest_gpu0_bsz(peaks, rows, static) == max(0, min(even_share, math.floor(balanced_rows)))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(*LINEAR_MEMORY)
+def test_gpu0_balance_predicts_a_linear_memory_model(n, per_gpu, per_row, static, extra):
+    # The memory model of test_suggestion_evens_out_a_linear_memory_model, with the static part known exactly.
+    batch = n * per_gpu
+    peaks = [float(static + extra + per_row * per_gpu)] + [float(static + per_row * per_gpu)] * (n - 1)
+    balance = gpu0_balance(peaks, [per_gpu] * n, float(static))
+    assert balance.gpu0_empty == pytest.approx(static + extra)
+    assert balance.others_full == pytest.approx(static + per_row * batch / (n - 1))
+    # Below 0 rows exactly when GPU 0's extra alone outweighs the whole batch spread over the others.
+    if extra * (n - 1) > per_row * batch:
+        assert balance.rows < 0 and suggest_gpu0_bsz(peaks, [per_gpu] * n, float(static)) == 0
+    elif extra * (n - 1) < per_row * batch:
+        assert balance.rows > 0
 
 
 BAD_SPLIT_OPTIONS = {

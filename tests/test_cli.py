@@ -24,7 +24,7 @@ from hf_parallel.commands import gpus as gpu_count
 from hf_parallel.commands.config_plan import SHIPPED_CONFIGS, plan_config, shipped_config, shipped_config_text
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.commands.main import main
-from tests.paths import ROOT, repo_env
+from tests.paths import NO_GPUS, ROOT, repo_env
 
 
 @pytest.fixture
@@ -345,9 +345,14 @@ def test_console_script_writes_a_config_accelerate_loads(tmp_path):
 
 
 def _run_python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """Run `python ARGS` in a fresh interpreter that imports hf_parallel from this checkout."""
+    """
+    Run `python ARGS` in a fresh interpreter that imports hf_parallel from this checkout, on a machine without GPUs:
+    with GPUs, `config` writes another config (one GPU: a single process), and counts them with torch where the
+    driver cannot (MIG, ROCm).
+    """
+    env = repo_env(**NO_GPUS)
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=repo_env(), timeout=120, check=False
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False
     )
 
 

@@ -182,9 +182,7 @@ def test_constructor_forms():
         BalancedDataParallel("model", gpu0_bsz=1)
 
 
-def test_real_class_on_a_machine_without_gpus_is_stock(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("checks the no-accelerator behaviour")
+def test_real_class_on_a_machine_without_gpus_is_stock(tmp_path, no_gpus):
     model = Probe()
     dp = BalancedDataParallel(model, gpu0_bsz=1)
     assert dp.device_ids == []  # nn.DataParallel's own behaviour without accelerators: run the module as is
@@ -194,7 +192,7 @@ def test_real_class_on_a_machine_without_gpus_is_stock(tmp_path):
     assert isinstance(dp, nn.DataParallel) and unwrap_model(dp) is model
 
 
-def test_attributes_fall_through_to_the_wrapped_model(tmp_path):
+def test_attributes_fall_through_to_the_wrapped_model(tmp_path, no_gpus):
     model = tiny_bert_classifier()
     dp = SimulatedBalancedDataParallel(model, n_devices=2, gpu0_bsz=1)
     assert dp.config is model.config
@@ -318,7 +316,7 @@ def test_balanced_wrapper_refuses_the_stock_loss_with_loss_kwargs(tmp_path):
         balanced_wrapper(LossKwargsProbe(), args, Accelerator(cpu=True), True, True)
 
 
-def test_balanced_wrapper_without_the_simulation_uses_torch(tmp_path):
+def test_balanced_wrapper_without_the_simulation_uses_torch(tmp_path, no_gpus):
     args = training_args(tmp_path, dp_devices=3, gpu0_bsz=1)
     wrapped = balanced_wrapper(Probe(), args, Accelerator(cpu=True))
     assert type(wrapped) is BalancedDataParallel and type(wrapped.transport) is CudaTransport

@@ -192,7 +192,7 @@ def one_target_rows(n: int, seed: int) -> list[dict]:
 def test_control_stock_nan_with_one_target_and_averaging_off(monkeypatch):
     from tests import heads
 
-    monkeypatch.setitem(heads.CASES, "one_target", heads.Case("one_target", heads._llama, one_target_rows))
+    monkeypatch.setitem(heads.CASES, "one_target", heads.Case("one_target", heads.llama, one_target_rows))
     topology = Topology("DP 2", per_device=2, dp_devices=2)
     stock = run_case("one_target", topology, stock=True, train_rows=4, average_tokens_across_devices=False)
     assert not torch.isfinite(torch.tensor(stock["loss"]))

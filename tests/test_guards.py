@@ -1,14 +1,17 @@
 """The launch guards, in this process: a launch that did not form a group, CUDA_VISIBLE_DEVICES changed after CUDA
-initialised (simulated: no GPU here), DataParallel over several GPUs. The real mis-launch is in test_launch.py."""
+initialised (simulated, except in the GPU test), DataParallel over several GPUs. Tests of the machine without GPUs
+hide the GPUs (`no_gpus`), so they pass on any machine. The real mis-launch is in test_launch.py."""
 
 from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
+from transformers.training_args import ParallelMode
 
 from hf_parallel import Trainer, TrainingArguments, guards, launch_env
 from hf_parallel.commands.env import trainer_mode
@@ -50,7 +53,7 @@ def test_launcher_world_size_rejects_bad_values_naming_them(value, message):
 # ---- guard 1: a launch that did not form a process group ----
 
 
-def test_world_size_guard_stops_a_launch_that_did_not_form_a_group(no_launcher, tmp_path):
+def test_world_size_guard_stops_a_launch_that_did_not_form_a_group(no_launcher, no_gpus, tmp_path):
     # WORLD_SIZE=2 without a group: what a launcher gives each process when accelerate finds no device backend.
     no_launcher.setenv("WORLD_SIZE", "2")
     # Control: stock transformers takes it and would train alone in each process.
@@ -68,17 +71,20 @@ def test_world_size_guard_stops_a_launch_that_did_not_form_a_group(no_launcher, 
     message = str(info.value)
     assert "A launcher started 2 processes (WORLD_SIZE=2)" in message
     assert "world_size=1, parallel_mode=not_parallel" in message
-    # No GPU here and use_cpu not set: the message gives that fix.
+    # No GPU and use_cpu not set: the message gives that fix.
     assert "--use_cpu" in message and "ACCELERATE_USE_CPU=1" in message
 
 
-def test_world_size_guard_names_the_mpi_variable(no_launcher, tmp_path):
+def test_world_size_guard_names_the_mpi_variable(no_launcher, no_gpus, tmp_path):
     no_launcher.setenv("OMPI_COMM_WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match=r"started 4 processes \(OMPI_COMM_WORLD_SIZE=4\)"):
         guards.check_world_size(training_args(tmp_path, use_cpu=False))
 
 
-def test_world_size_guard_is_silent_without_a_launcher_or_with_one_process(no_launcher, tmp_path, hf_parallel_log):
+def test_world_size_guard_is_silent_without_a_launcher_or_with_one_process(
+    no_launcher, no_gpus, tmp_path, hf_parallel_log
+):
+    # Without GPUs: with several, use_cpu=False makes a DataParallel run, and the Trainer gives its hint.
     args = training_args(tmp_path, use_cpu=False)
     guards.check_world_size(args)
     no_launcher.setenv("WORLD_SIZE", "1")
@@ -88,7 +94,22 @@ def test_world_size_guard_is_silent_without_a_launcher_or_with_one_process(no_la
     assert hf_parallel_log.records == []
 
 
-def test_env_report_predicts_the_guard(no_launcher, tmp_path):
+def test_world_size_guard_on_a_gpu_machine_names_the_launcher_fix(monkeypatch, no_launcher):
+    # `mpirun -np 2` on a GPU machine: accelerate looks for LOCAL_RANK, which MPI does not set, so it forms no group.
+    # A device backend exists here, so the fix is the launcher, not --use_cpu.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    no_launcher.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    # Stand-in arguments: real ones would set up a GPU device, which the machine running the test may not have.
+    args = SimpleNamespace(world_size=1, parallel_mode=ParallelMode.NOT_PARALLEL, use_cpu=False)
+    with pytest.raises(RuntimeError) as info:
+        guards.check_world_size(args)
+    message = str(info.value)
+    assert "A launcher started 2 processes (OMPI_COMM_WORLD_SIZE=2)" in message
+    assert "Launch with `accelerate launch` (or `torchrun`)" in message and "hf-parallel env" in message
+    assert "--use_cpu" not in message
+
+
+def test_env_report_predicts_the_guard(no_launcher, no_gpus, tmp_path):
     # `hf-parallel env` must say "error" exactly where the guard raises.
     no_launcher.setenv("WORLD_SIZE", "2")
     mode, _, why = trainer_mode(
@@ -104,13 +125,20 @@ def test_env_report_predicts_the_guard(no_launcher, tmp_path):
 
 @pytest.fixture
 def cuda_initialised_with(monkeypatch):
-    """Pretend CUDA initialised while CUDA_VISIBLE_DEVICES had the given value (no GPU here)."""
+    """Pretend CUDA initialised while CUDA_VISIBLE_DEVICES had the given value (on any machine)."""
 
     def pretend(value):
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", value)
 
     return pretend
+
+
+@pytest.fixture
+def cuda_not_initialised(monkeypatch):
+    """CUDA not initialised yet in this process, even where an earlier test did initialise it (a GPU test, or
+    arguments that set up a GPU device)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
 
 
 def test_visible_devices_changed_after_cuda_init_warns(monkeypatch, cuda_initialised_with, hf_parallel_log):
@@ -138,9 +166,8 @@ def test_visible_devices_unchanged_is_silent(monkeypatch, cuda_initialised_with,
     assert hf_parallel_log.records == []
 
 
-def test_visible_devices_changed_before_cuda_init_is_silent(monkeypatch, hf_parallel_log):
-    # CUDA not initialised yet (always so here): it will read the new value, so the change works.
-    assert not torch.cuda.is_initialized()
+def test_visible_devices_changed_before_cuda_init_is_silent(monkeypatch, cuda_not_initialised, hf_parallel_log):
+    # CUDA not initialised yet: it will read the new value, so the change works.
     monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", "0,1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     guards.check_visible_devices()
@@ -156,9 +183,9 @@ def test_visible_devices_falls_back_to_the_value_at_import(monkeypatch, hf_paral
     assert "CUDA read '1', it is now '0'" in hf_parallel_log.records[0].getMessage()
 
 
-def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, hf_parallel_log):
-    # guards registered a call that torch runs inside torch.cuda._lazy_init; run it as torch would.
-    assert not torch.cuda.is_initialized()
+def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, cuda_not_initialised, hf_parallel_log):
+    # guards registered a call (when it was imported, before any test could initialise CUDA) that torch runs inside
+    # torch.cuda._lazy_init; run it as torch would.
     queued = [call for call, _ in torch.cuda._queued_calls if call is guards._record_visible_devices_at_cuda_init]
     assert len(queued) == 1
     monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", guards._NOT_RECORDED)

@@ -25,6 +25,10 @@ from hf_parallel import SequenceEmbedder, embed_dataset, pool_hidden_states, sha
 from hf_parallel.inference import embed as embed_module
 from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
 
+# Embedding runs on the CPU here: with a GPU, embed_dataset would move the model to it (and wrap it in DataParallel
+# with several), while the references below run it on the CPU. The ranks of the DDP tests ask for the CPU themselves.
+pytestmark = pytest.mark.usefixtures("no_gpus")
+
 ATOL = 1e-5
 # (rows, batch size per process, pooling, padding side): sizes not divisible by 2 ranks nor by the batch, and one
 # where rank 1 gets nothing at all (1 row).

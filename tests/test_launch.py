@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import BertForSequenceClassification
 
 from hf_parallel.commands.main import main as cli_main
-from tests.paths import ROOT, repo_env
+from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import Finished, run_together
 
 TRAIN = ROOT / "examples" / "train.py"
@@ -59,7 +59,9 @@ def _train_flags(model_dir: Path, output_dir: Path, batch: int) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = repo_env(**DDP_LOG_ENV)
+    # CPU launches on any machine: where GPUs are visible, the mis-launch's torchrun ranks would form an NCCL group,
+    # leaving no mis-launch to catch.
+    env = repo_env(**DDP_LOG_ENV, **NO_GPUS)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     return env
@@ -122,7 +124,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def single_process_run(model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
-    """The reference: examples/train.py's main() in this process, with the global batch 2 x PER_RANK_BATCH."""
+    """
+    The reference: examples/train.py's main() in this process, on the CPU as the launched ranks (with GPUs, it would
+    train on GPU 0, or under DataParallel with a larger global batch), with the global batch 2 x PER_RANK_BATCH.
+    """
     from accelerate.state import AcceleratorState, PartialState
 
     from examples.train import main as train_main
@@ -131,7 +136,7 @@ def single_process_run(model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
     saved_env = dict(os.environ)
     start = time.perf_counter()
     try:
-        argv = ["train.py", *_train_flags(model_dir, out, 2 * PER_RANK_BATCH)]
+        argv = ["train.py", *_train_flags(model_dir, out, 2 * PER_RANK_BATCH), "--use_cpu"]
         with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(io.StringIO()) as printed:
             train_main()
     finally:

@@ -1,12 +1,14 @@
 """
 Where users train beyond a plain transformers model: PEFT adapters, Trainer subclasses (transformers'
-Seq2SeqTrainer, TRL's SFTTrainer through `TrainerMixin`), torch.compile with evaluate() before train() under DDP.
+Seq2SeqTrainer, TRL's SFTTrainer through `TrainerMixin`), torch.compile with evaluate() before train() under DDP,
+packed batches and iterable sets that each rank reads itself (`dispatch_batches=False`) under DDP.
 Each next to a stock control that shows the stock error. LoRA also has rows in the exact-loss matrix
 (tests/heads.py: `lora_bert_single_label`, `lora_llama_causal_lm`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -16,14 +18,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader
+from transformers.training_args import ParallelMode
 from trl import SFTConfig, SFTTrainer
 
 import hf_parallel
 from hf_parallel import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerMixin, TrainingArguments
+from hf_parallel.exact.streams import SampleCounter, count_samples, stream_remainder
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import SGD_STEP, TRAIN_ROWS, Topology, run_case, training_args
+from hf_parallel.upstream import SHARD_ATTRIBUTES
+from tests.harness import SGD_STEP, TRAIN_ROWS, Topology, record_hf_parallel_log, run_case, training_args
 from tests.heads import CASES, lm_rows, seq2seq_rows
-from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
+from tests.test_exact_loss import EPOCH, ITERABLE, _epoch_topology, _one_device, _update_error
+from tests.tiny import IterableRows, ListDataset, classification_rows, tiny_bert_classifier
 
 GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
 
@@ -93,9 +101,13 @@ def test_seq2seq_eval_loss_with_generation_is_exact(tmp_path):
     ours_loss, stock_loss = ours.evaluate()["eval_loss"], stock.evaluate()["eval_loss"]
     assert ours_loss == pytest.approx(expected, rel=1e-5)
     assert abs(stock_loss - expected) > 1e-4  # stock: the mean of per-batch means
-    # Generation is the stock one.
+    # predict() generates (evaluate() without compute_metrics asks for the loss only): generation is the stock one,
+    # and the loss next to it is exact through Seq2SeqTrainer.prediction_step.
     eval_set = CASES["bart_seq2seq"].dataset(7, seed=2)
-    assert (ours.predict(eval_set).predictions == stock.predict(eval_set).predictions).all()
+    ours_prediction, stock_prediction = ours.predict(eval_set), stock.predict(eval_set)
+    assert (ours_prediction.predictions == stock_prediction.predictions).all()
+    assert ours_prediction.metrics["test_loss"] == pytest.approx(expected, rel=1e-5)
+    assert abs(stock_prediction.metrics["test_loss"] - expected) > 1e-4
 
 
 # ---- TRL, through TrainerMixin --------------------------------------------------------------------------------------
@@ -253,3 +265,162 @@ def test_packed_evaluation_counts_each_sample_once_under_ddp(tmp_path):
         assert report["ours"][str(n)] == pytest.approx(expected, rel=1e-5), n
     # Stock counts the duplicate accelerate pads in (and averages per-batch means): off where the set is uneven.
     assert abs(report["stock"]["7"] - _packed_definition(7)) > 1e-4
+
+
+# ---- Iterable sets each rank reads itself (dispatch_batches=False): every sample counted once -----------------------
+
+STREAM_EVAL_SIZES = (1, 3, 5, 7)
+OWN_READS = {"accelerator_config": {"dispatch_batches": False}}  # accelerate's IterableDatasetShard on each rank
+DISPATCHED = {"accelerator_config": {"dispatch_batches": True}}  # rank 0 reads and sends each rank its slice
+
+
+class SizedIterableRows(IterableRows):
+    """Iterable rows with a length: accelerate then reports that no sample of the last batch is padding."""
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def _stream_rows(n: int) -> list[dict]:
+    # Row 0 of lm_rows is a single token (nothing to predict): skipped, so that every set has items.
+    return lm_rows(n + 1, 3)[1:]
+
+
+def _stream_definition(n: int) -> float:
+    """The model's mean loss over every predicted token of the whole set, in one batch on one process."""
+    rows = _stream_rows(n)
+    whole = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    with torch.no_grad():
+        return CASES["llama_causal_lm"].build(0).eval()(**whole).loss.item()
+
+
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_counted_samples_give_the_real_samples_of_a_shards_last_batch(split_batches):
+    """On 2 ranks, every set size and batch: each global batch gathered in rank order, the last one cut to what the
+    count says is real, is the dataset with each sample once (the layout `gather_samples` relies on)."""
+    for n, batch_size in itertools.product(range(1, 10), (2, 4) if split_batches else (1, 2, 3)):
+        per_rank, remainders = [], set()
+        for rank in (0, 1):
+            loader = prepare_data_loader(
+                DataLoader(IterableRows(range(n)), batch_size=batch_size), num_processes=2, process_index=rank,
+                split_batches=split_batches, dispatch_batches=False,
+            )  # fmt: skip
+            assert all(hasattr(loader.dataset, name) for name in SHARD_ATTRIBUTES)
+            assert count_samples(loader, "eval_dataset") is None
+            for _epoch in range(2):  # the count starts again at each epoch
+                batches = []
+                for batch in loader:
+                    batches.append(batch)
+                    remainders.add(stream_remainder(loader.gradient_state))
+            per_rank.append(batches)
+            assert loader.dataset.dataset.count == n
+        remainders.discard(None)  # every batch before the last
+        assert len(remainders) == 1, (n, batch_size, remainders)
+        real = remainders.pop()
+        gathered = [torch.cat(pair) for pair in zip(*per_rank, strict=True)]
+        if real:
+            gathered[-1] = gathered[-1][:real]
+        assert torch.cat(gathered).tolist() == list(range(n)), (n, batch_size, real)
+
+
+def test_samples_read_in_worker_processes_cannot_be_counted_and_say_so(tmp_path, hf_parallel_log):
+    trainer = Trainer(model=tiny_bert_classifier(), args=training_args(tmp_path))
+    loader = prepare_data_loader(
+        DataLoader(IterableRows(range(3)), batch_size=1, num_workers=1), num_processes=2, process_index=0,
+        dispatch_batches=False,
+    )  # fmt: skip
+    for _ in range(2):
+        trainer._count_samples(loader, "eval_dataset")
+    assert not isinstance(loader.dataset.dataset, SampleCounter)
+    warnings = [m for m in hf_parallel_log.messages if "dataloader_num_workers=1" in m]
+    assert len(warnings) == 1, hf_parallel_log.messages  # once
+    assert "eval_dataset is iterable" in warnings[0] and "dispatch_batches" in warnings[0]
+
+
+def _stream_ranks(output_dir: str) -> None:
+    assert dist.get_world_size() == 2
+    report = {}
+    with record_hf_parallel_log() as log:
+        for name, trainer_cls, args_cls, reads in (
+            ("ours", Trainer, TrainingArguments, OWN_READS),
+            ("ours dispatched", Trainer, TrainingArguments, DISPATCHED),
+            ("stock", transformers.Trainer, transformers.TrainingArguments, OWN_READS),
+        ):
+            args = training_args(
+                os.path.join(output_dir, name), args_cls=args_cls, per_device_eval_batch_size=2,
+                remove_unused_columns=False, **reads,
+            )  # fmt: skip
+            trainer = trainer_cls(model=CASES["llama_causal_lm"].build(0), args=args)
+            assert trainer.args.parallel_mode == ParallelMode.DISTRIBUTED
+            losses = {n: trainer.evaluate(IterableRows(_stream_rows(n)))["eval_loss"] for n in STREAM_EVAL_SIZES}
+            losses["sized 7"] = trainer.evaluate(SizedIterableRows(_stream_rows(7)))["eval_loss"]
+            labels = trainer.predict(IterableRows(_stream_rows(3))).label_ids
+            report[name] = {"losses": losses, "labels": labels}
+        # Training: the last step of an epoch holds 1 real row of 8 (9 rows, 2 ranks x 4).
+        for name, stock, drop_last in (
+            ("train ours", False, False),
+            ("train stock", True, False),
+            # The Trainer does not pass dataloader_drop_last to an iterable dataset's dataloader: it pads all the same.
+            ("train ours drop_last", False, True),
+        ):
+            result = run_case(
+                "bert_single_label", _epoch_topology(4, 1), stock=stock, train_rows=9, eval_rows=0,
+                dataloader_drop_last=drop_last, **{**EPOCH, **ITERABLE, **OWN_READS},
+            )  # fmt: skip
+            assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
+            flat = torch.cat([p.flatten() for p in result["params"].values()])
+            gathered = [torch.empty_like(flat) for _ in range(2)]
+            dist.all_gather(gathered, flat)
+            assert torch.equal(gathered[0], gathered[1])  # the ranks trained together
+            report[name] = {key: result[key] for key in ("losses", "train_loss", "params")}
+        report["warnings"] = log.messages
+    if dist.get_rank() == 0:
+        torch.save(report, os.path.join(output_dir, "report.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def stream_report(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("streams")
+    spawn_cpu_ranks(_stream_ranks, (str(output_dir),), num_processes=2)
+    return torch.load(output_dir / "report.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_iterable_evaluation_each_rank_reads_counts_each_sample_once(stream_report):
+    for n in STREAM_EVAL_SIZES:
+        expected = _stream_definition(n)
+        assert stream_report["ours"]["losses"][n] == pytest.approx(expected, rel=1e-5), n
+        assert stream_report["ours dispatched"]["losses"][n] == pytest.approx(expected, rel=1e-5), n
+    # With a length too, where accelerate reports that nothing is padding.
+    assert stream_report["ours"]["losses"]["sized 7"] == pytest.approx(_stream_definition(7), rel=1e-5)
+    # Stock counts the samples repeated to fill the last batch (and averages per-batch means): off where uneven.
+    for n in (3, 5, 7):
+        assert abs(stream_report["stock"]["losses"][n] - _stream_definition(n)) > 1e-4, n
+    # Predictions stay as stock has them, the repeated sample included (3 samples, 4 rows): only the loss changes.
+    assert stream_report["ours"]["labels"].shape[0] == 4
+    assert (stream_report["ours"]["labels"] == stream_report["stock"]["labels"]).all()
+
+
+@pytest.mark.slow
+def test_iterable_training_each_rank_reads_trains_the_real_leftover_rows_only(stream_report):
+    reference = _one_device("bert_single_label", 9, **ITERABLE)
+    ours, stock = stream_report["train ours"], stream_report["train stock"]
+    assert len(reference["losses"]) == 2 and len(ours["losses"]) == 2  # rows 0-7, then row 8
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
+    initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
+    assert _update_error(ours["params"], reference["params"], initial) < 1e-4
+    # Stock trains the 7 repeated rows of the last step.
+    assert _update_error(stock["params"], reference["params"], initial) > 0.1
+    assert not any("cannot be told apart" in m for m in stream_report["warnings"]), stream_report["warnings"]
+
+
+@pytest.mark.slow
+def test_iterable_training_with_dataloader_drop_last_leaves_the_repeats_out_too(stream_report):
+    reference = _one_device("bert_single_label", 9, **ITERABLE)  # one process: its iterable dataloader keeps row 8
+    ours = stream_report["train ours drop_last"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
+    assert _update_error(ours["params"], reference["params"], initial) < 1e-4

@@ -209,7 +209,8 @@ def _ddp_worker(output_dir):
 
     # A rank stuck in a collective would hang the test session: dump its stack and exit instead.
     faulthandler.dump_traceback_later(180, exit=True)
-    state = PartialState()
+    # cpu=True: PartialState reads no ACCELERATE_USE_CPU, and on a GPU machine it would set each rank a CUDA device.
+    state = PartialState(cpu=True)
     for wrap_by_user in (False, True):
         run = Path(output_dir) / ("user_ddp" if wrap_by_user else "ddp")
         args = training_args(run, **SAVING)
@@ -249,9 +250,10 @@ def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
 
 
-def test_load_state_dict_is_the_public_loader(tmp_path):
+def test_load_state_dict_is_the_public_loader(tmp_path, no_gpus):
     with setup_case("user_dp", tmp_path) as (trainer, model):
         trainer.train()
+    # A real nn.DataParallel, on the CPU (no_gpus): with one GPU it would move the model to it.
     target = nn.DataParallel(tiny_bert_classifier(seed=5))
     load_state_dict(target, tmp_path / "checkpoint-4")
     assert_same_weights(weights_of(target), weights_of(model), atol=0)

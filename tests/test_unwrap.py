@@ -15,6 +15,10 @@ from hf_parallel.unwrap import clean_state_dict, has_wrapper_prefixes, match_key
 from tests.harness import assert_same_weights
 from tests.tiny import tiny_bert_classifier
 
+# The wrappers are built on the CPU: on a machine with one GPU, nn.DataParallel would move the model to it when
+# built, and its weights would no longer compare with the CPU copies.
+pytestmark = pytest.mark.usefixtures("no_gpus")
+
 
 def _balanced(module):
     return BalancedDataParallel(module, gpu0_bsz=1)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead
 from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, packed_sample_ids, real_rows, row_mask, samples_in
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
@@ -126,6 +127,8 @@ class ExactLoss:
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
+        #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
+        self.outputs_wanted = True
 
     # ---- Which head, or the stock loss ----
     def head(
@@ -185,9 +188,10 @@ class ExactLoss:
             return CrossEntropyHead(name="compute_loss_func", shift=loss_func_shifts)
 
     def warn_fallback(self, reason: str) -> None:
-        """Warn once per reason that the stock loss is used."""
+        """Warn once per reason that the stock loss is used, and what of stock's multi-device error is removed."""
         self.warn_once(
-            f"exact_loss: {reason} The loss is left to the Trainer: the stock transformers loss, or a subclass's own."
+            f"exact_loss: {reason} The loss is left to the Trainer: the stock transformers loss, or a subclass's own. "
+            f"{FALLBACK_NOTE}"
         )
 
     def warn_once(self, message: str) -> None:
@@ -231,14 +235,14 @@ class ExactLoss:
             pads (`bool`): whether the dataloader pads its last global batch (accelerate's `even_batches`, without
                 `dataloader_drop_last`).
         """
-        if end is None or not pads or self.num_processes == 1 or not batches:
+        if end is None or not (pads or end.counted) or self.num_processes == 1 or not batches:
             return
         if end.remainder < 0:
             self.warn_once(
-                "exact_loss: the training set has no length and each rank reads its own part of it "
-                "(dispatch_batches=False), so the rows accelerate repeats to fill the last step of an epoch cannot be "
-                "told apart; that step trains on them, as stock does. Give the dataset a length, let rank 0 dispatch "
-                "the batches, or set dataloader_drop_last=True."
+                "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
+                "its samples could not be counted, so the rows accelerate repeats to fill the last step of an epoch "
+                "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
+                "rank 0 dispatch the batches."
             )
             return
         last = batches[-1]
@@ -293,14 +297,49 @@ class ExactLoss:
         main_input_name: str = "input_ids",
     ) -> torch.Tensor:
         """
-        The loss of one micro-batch: S / C of the step in training (`step` given), S / C of the batch otherwise
-        (evaluation, where S and C are also added to the totals).
+        The loss of one micro-batch on one device: S / C of the step in training (`step` given), S / C of the batch
+        otherwise (evaluation, where S and C are also added to the totals). `terms` then `reduce`, in one place.
+        """
+        total = self.user_loss_total(head, labels, step, inputs, main_input_name) if loss_func is not None else None
+        return self.reduce(head, self.terms(head, outputs, labels, inputs, loss_func=loss_func, total=total), step)
+
+    def user_loss_total(
+        self, head: LossHead, labels: dict, step: StepCounts | None, inputs: dict, main_input_name: str = "input_ids"
+    ) -> torch.Tensor:
+        """The item count a user loss (`compute_loss_func`) divides by: the step's, or the batch's in evaluation."""
+        return step.total() if step is not None else head.count(labels, sequence_length(inputs, main_input_name)).sum()
+
+    def terms(
+        self,
+        head: LossHead,
+        outputs,
+        labels: dict[str, torch.Tensor],
+        inputs: dict,
+        *,
+        loss_func: Callable | None = None,
+        total: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """
+        What a forward contributes to the loss, computed where its outputs are (in a DataParallel replica: for its
+        rows, on its device): `{"sums": [samples, terms], "counts": [samples, terms]}`, or `{"user_loss": loss}` for a
+        user `loss_func`, called with `total` items. Per-sample tensors, so that replicas' terms concatenate.
         """
         if loss_func is not None:
-            seq_len = sequence_length(inputs, main_input_name)
-            total = step.total() if step is not None else head.count(labels, seq_len).sum()
-            return loss_func(outputs, labels["labels"], num_items_in_batch=total) * (step.scale if step else 1)
-        row_sums, row_counts = self._sample_terms(head, outputs, labels, inputs)
+            loss = loss_func(outputs, labels["labels"], num_items_in_batch=total)
+            # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
+            return {"user_loss": loss.reshape(1) if loss.dim() == 0 else loss}
+        sums, counts = self._sample_terms(head, outputs, labels, inputs)
+        return {"sums": sums, "counts": counts}
+
+    def reduce(self, head: LossHead, terms: dict[str, torch.Tensor], step: StepCounts | None) -> torch.Tensor:
+        """
+        The loss from `terms` (one forward's, or every replica's gathered): S / C of the step in training (`step`
+        given), S / C of the batch otherwise, S and C then added to the evaluation totals.
+        """
+        if "user_loss" in terms:
+            # One value per replica under DataParallel (each divided by the whole count already): their sum.
+            return terms["user_loss"].sum() * (step.scale if step is not None else 1)
+        row_sums, row_counts = terms["sums"], terms["counts"]
         if step is not None:
             return head.combine(row_sums.sum(0), step.counts) * step.scale
         if self._eval_totals is not None:
@@ -332,11 +371,13 @@ class ExactLoss:
         return sums.unsqueeze(-1), counts.unsqueeze(-1)
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----
-    def start_evaluation(self) -> None:
-        """Start adding up S and C of every evaluation batch."""
+    def start_evaluation(self, keep_outputs: bool = True) -> None:
+        """Start adding up S and C of every evaluation batch; `keep_outputs=False` when only the loss is wanted."""
         self._eval_totals = EvalTotals() if self.enabled else None
+        self.outputs_wanted = keep_outputs
 
     def finish_evaluation(self) -> float | None:
         """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
         totals, self._eval_totals = self._eval_totals, None
+        self.outputs_wanted = True
         return totals.value() if totals is not None else None

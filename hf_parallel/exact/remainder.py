@@ -7,9 +7,9 @@ must add nothing to the loss sums, the item count or the gradient, or the last s
 on the leftover rows. accelerate knows how many rows of that last global batch are real (its `remainder`); ranks hold
 consecutive slices of it, real rows first, so rank r's batch of b rows starts with `clamp(remainder - r * b, 0, b)`
 real rows. That holds for map-style datasets (the remainder is the dataset length modulo the global batch) and for
-iterable ones whose batches rank 0 dispatches (the remainder is the size of the last batch it read). It cannot be
-known for iterable datasets each rank reads itself (`dispatch_batches=False`): accelerate pads those too, and they
-train as stock does.
+iterable ones whose batches rank 0 dispatches (the remainder is the size of the last batch it read). For iterable
+datasets each rank reads itself (`dispatch_batches=False`) accelerate does not know it, and the samples are counted
+instead (`hf_parallel.exact.streams`); without that count (dataloader worker processes) they train as stock does.
 
 The Trainer marks a padded batch with `REAL_ROWS_KEY` (the count of its leading real samples); `ExactLoss` then
 counts and sums those samples only.
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .streams import stream_remainder
 
 __all__ = [
     "REAL_ROWS_KEY",
@@ -43,9 +45,12 @@ REAL_ROWS_KEY = "hf_parallel_real_rows"
 @dataclass(frozen=True)
 class EpochEnd:
     """The dataloader reached the end of the epoch with the last pulled batch; `remainder` as accelerate reports it
-    (rows of the last global batch that are real; 0: none padded; -1: unknown)."""
+    (rows of the last global batch that are real; 0: none padded; -1: unknown), or as counted for an iterable dataset
+    each rank reads itself (`counted`: then the last batch is padded whenever `remainder > 0`, whatever
+    `even_batches` and `dataloader_drop_last` say, as the Trainer does not pass the latter to such a dataloader)."""
 
     remainder: int
+    counted: bool = False
 
 
 def pull_batches(epoch_iterator, num_batches: int, gradient_state) -> tuple[list, EpochEnd | None]:
@@ -60,7 +65,8 @@ def pull_batches(epoch_iterator, num_batches: int, gradient_state) -> tuple[list
         except StopIteration:
             break
         if gradient_state.end_of_dataloader:
-            end = EpochEnd(gradient_state.remainder)
+            counted = stream_remainder(gradient_state)
+            end = EpochEnd(gradient_state.remainder, False) if counted is None else EpochEnd(counted, True)
     return batches, end
 
 

@@ -110,6 +110,18 @@ def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
     return model.get_base_model(), peft_type if virtual else None
 
 
+def _class_name(model: nn.Module) -> str:
+    """The model's class name; under FSDP2, that of the class `fully_shard` derived `FSDP<Name>` from."""
+    cls = type(model)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch build without distributed support
+        return cls.__name__
+    if issubclass(cls, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
 def resolve_head(
     model: nn.Module,
     label_names: list[str] | None = None,
@@ -138,7 +150,7 @@ def resolve_head(
     ```
     """
     model, virtual_tokens = _inside_adapters(model)
-    name = type(model).__name__
+    name = _class_name(model)
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedHead(f"{name} has no `config`: not a transformers model with a known head.")

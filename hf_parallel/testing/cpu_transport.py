@@ -132,6 +132,18 @@ def simulated_gather(outputs: Sequence[Any], dim: int = 0) -> Any:
     return gather_map(outputs)
 
 
+def _tensors(obj: Any):
+    """Every tensor in a structure of tuples, lists and dicts (ModelOutputs included)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
+
+
 def _rows(chunk_args: Sequence[Any], chunk_kwargs: dict[str, Any], dim: int) -> int | None:
     for value in (*chunk_args, *chunk_kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > dim:
@@ -146,7 +158,8 @@ class CpuTransport:
     `hf_parallel.transport.CudaTransport`. See the module docstring for what it reproduces and its limits.
 
     After each forward, `last_chunk_sizes` holds the rows each replica got (from its first tensor argument with a
-    batch dimension; `None` for a replica without one).
+    batch dimension; `None` for a replica without one), and `last_gathered_bytes` the bytes of the tensors the
+    replicas' outputs hold, which DataParallel would bring to the output device (GPU 0).
 
     Args:
         n_devices (`int`, *optional*):
@@ -165,6 +178,7 @@ class CpuTransport:
         self.n_devices = n_devices
         self.dim = 0
         self.last_chunk_sizes: list[int | None] = []
+        self.last_gathered_bytes = 0
 
     def init_wrapper(
         self, wrapper: nn.DataParallel, module: nn.Module, device_ids: Any, output_device: Any, dim: int
@@ -228,7 +242,9 @@ class CpuTransport:
         return outputs
 
     def gather(self, outputs: Sequence[Any], output_device: Any, dim: int) -> Any:
-        return simulated_gather(outputs, dim)
+        gathered = simulated_gather(outputs, dim)
+        self.last_gathered_bytes = sum(t.numel() * t.element_size() for t in _tensors(gathered))
+        return gathered
 
     def _record(self, inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]]) -> None:
         self.last_chunk_sizes = [_rows(a, k, self.dim) for a, k in zip(inputs, kwargs, strict=False)]

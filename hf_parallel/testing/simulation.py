@@ -85,6 +85,7 @@ class SimulatedDataParallel(TransportDataParallel):
     dp = SimulatedDataParallel(model, n_devices=4)
     logits = dp(input_ids=ids).logits  # 5 rows run as chunks [2, 2, 1] on 3 replicas, as on 4 GPUs
     dp.last_chunk_sizes  # [2, 2, 1]
+    dp.last_gathered_bytes  # what GPU 0 would receive: here the whole batch's logits
     ```
     """
 
@@ -98,6 +99,11 @@ class SimulatedDataParallel(TransportDataParallel):
     def last_chunk_sizes(self) -> list[int | None]:
         """The rows each replica got in the last forward (see `CpuTransport`)."""
         return self.transport.last_chunk_sizes
+
+    @property
+    def last_gathered_bytes(self) -> int:
+        """The bytes of the tensors the last forward gathered, which on GPUs travel to GPU 0 (see `CpuTransport`)."""
+        return self.transport.last_gathered_bytes
 
 
 class SimulatedBalancedDataParallel(BalancedDataParallel, SimulatedDataParallel):

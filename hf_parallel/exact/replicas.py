@@ -1,0 +1,198 @@
+"""
+The exact loss under DataParallel: each replica computes the loss terms of its own rows, on its own device.
+
+`nn.DataParallel` runs one replica of the module per device and gathers their outputs on GPU 0. Computing the loss
+there, from the gathered logits, is exact but puts the whole batch's logits on GPU 0, in fp32, with their
+log-softmax and, in backward, their gradient: for a causal LM with a 128k vocabulary that is tens of GiB, whatever
+share of the rows GPU 0 got. So the replica runs the model *and* the loss head on its rows; only `[rows, terms]`
+loss sums and item counts travel to GPU 0, where the step's count divides them. The model's outputs travel only when
+the caller asks for them (evaluation that keeps predictions).
+
+The wrapper replicates whatever its `module` is at call time, so for one call `module` is a `ReplicaStep` around the
+model: the labels are scattered with the same chunk sizes as the inputs, and each replica runs the step function on
+its chunk. The parameters are the model's, so gradients flow back to them as they do for the model itself.
+
+Mixed precision: transformers applies autocast through accelerate's `prepare`, which it skips for a model it wrapped
+in `nn.DataParallel`; and torch's `parallel_apply` carries only autocast's *enabled* flag into the replica threads,
+where the default dtype of CUDA autocast is float16 (a bf16 run would compute in fp16, without a loss scaler). A
+`ReplicaStep` enters autocast itself, inside the replica's thread, with the requested dtype.
+
+```python
+from hf_parallel.exact.replicas import run_in_replicas
+
+def step(model, inputs, labels):
+    outputs = model(**inputs)
+    return torch.nn.functional.cross_entropy(outputs.logits, labels["labels"], reduction="sum")
+
+loss_sums = run_in_replicas(data_parallel_model, step, inputs, {"labels": labels})  # one sum per replica
+loss = loss_sums.sum() / labels.numel()
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from accelerate.utils import convert_to_fp32
+from torch import nn
+from transformers.cache_utils import Cache
+
+from ..upstream import temporarily
+
+__all__ = [
+    "AUTOCAST_DTYPES",
+    "ReplicaStep",
+    "is_data_parallel",
+    "outputs_device",
+    "replica_autocast",
+    "replicating",
+    "run_in_replicas",
+    "takes_use_cache",
+    "without_cache",
+]
+
+# Output keys that hold a model's cache (transformers 5 names it `cache`; earlier `past_key_values`).
+_CACHE_KEYS = ("cache", "past_key_values", "cache_params")
+
+#: accelerate's `mixed_precision` setting -> the autocast dtype of a replica.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_data_parallel(model: Any) -> bool:
+    """Whether `model` is an `nn.DataParallel` wrapper (stock, balanced or simulated)."""
+    return isinstance(model, nn.DataParallel)
+
+
+class ReplicaStep(nn.Module):
+    """
+    What a DataParallel wrapper replicates for one call: the model, run by `step(model, inputs, labels)` on each
+    replica's chunk, under autocast with `autocast_dtype` when given.
+
+    Args:
+        model (`nn.Module`):
+            The wrapped model (its parameters are this module's).
+        step (`Callable`):
+            `step(model, inputs, labels)`: runs the model on a chunk and returns what the replica sends to GPU 0.
+        label_keys (`tuple[str, ...]`, *optional*):
+            The keyword arguments of a call that are labels, handed to `step` apart from the model's inputs.
+        autocast_dtype (`torch.dtype`, *optional*):
+            The autocast dtype of the model's forward (`None`: no autocast).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        step: Callable[[nn.Module, dict, dict], Any],
+        label_keys: tuple[str, ...] = (),
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.step = step
+        self.label_keys = label_keys
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, **batch: Any) -> Any:
+        labels = {key: batch.pop(key) for key in self.label_keys if key in batch}
+        return self.step(_Autocast(self.model, self.autocast_dtype), batch, labels)
+
+
+class _Autocast:
+    """A callable that runs `model` under autocast with `dtype`, on the device of its parameters; outputs in fp32."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
+        self.model, self.dtype = model, dtype
+
+    def __call__(self, **inputs: Any) -> Any:
+        if self.dtype is None:
+            return self.model(**inputs)
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=self.dtype):
+            outputs = self.model(**inputs)
+        # As accelerate does for a prepared model: downstream code (losses, metrics) sees fp32 outputs.
+        return convert_to_fp32(outputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def replica_autocast(mixed_precision: str | None) -> torch.dtype | None:
+    """The autocast dtype of a replica for accelerate's `mixed_precision` ("no", "bf16", "fp16", ...)."""
+    return AUTOCAST_DTYPES.get(str(mixed_precision))
+
+
+@contextlib.contextmanager
+def replicating(wrapper: nn.DataParallel, step: ReplicaStep) -> Iterator[None]:
+    """Within the block, `wrapper` replicates `step` (around its model) instead of the model itself."""
+    with temporarily(wrapper, "module", step):
+        yield
+
+
+def run_in_replicas(
+    wrapper: nn.DataParallel,
+    step: Callable[[nn.Module, dict, dict], Any],
+    inputs: dict,
+    labels: dict,
+    autocast_dtype: torch.dtype | None = None,
+) -> Any:
+    """
+    Run `step(model, inputs, labels)` in every replica of `wrapper` on its chunk of `inputs` and `labels` (split
+    alike), and return what the replicas returned, gathered on the output device as the wrapper gathers outputs.
+
+    Args:
+        wrapper (`nn.DataParallel`):
+            The DataParallel wrapper (stock, balanced or simulated).
+        step (`Callable`):
+            Runs in each replica: `step(model, inputs, labels)`, `model` being callable like the model, under
+            autocast when `autocast_dtype` is given.
+        inputs (`dict`):
+            The model's keyword inputs.
+        labels (`dict`):
+            The labels (kept out of the model's inputs), split like the inputs.
+        autocast_dtype (`torch.dtype`, *optional*):
+            The dtype of the model's forward in the replicas.
+    """
+    overlap = set(inputs) & set(labels)
+    if overlap:
+        raise ValueError(f"Keys {sorted(overlap)} are both model inputs and labels; pass each once.")
+    replica = ReplicaStep(wrapper.module, step, tuple(labels), autocast_dtype)
+    with replicating(wrapper, replica):
+        return wrapper(**inputs, **labels)
+
+
+def without_cache(outputs: Any) -> Any:
+    """`outputs` without the model's cache (`cache`, formerly `past_key_values`): of no use after a forward with
+    labels, and gathering it from every replica would cost GPU 0 the keys and values of the whole batch."""
+    if not isinstance(outputs, dict):
+        return outputs
+    dropped = [key for key, value in outputs.items() if key in _CACHE_KEYS or isinstance(value, Cache)]
+    if not dropped:
+        return outputs
+    return type(outputs)(**{key: value for key, value in outputs.items() if key not in dropped})
+
+
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether the model's `forward` has a `use_cache` parameter (so a forward whose outputs are not kept can skip
+    building the cache)."""
+    return _forward_has(type(model), "use_cache")
+
+
+@functools.cache
+def _forward_has(model_class: type, name: str) -> bool:
+    try:
+        return name in inspect.signature(model_class.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def outputs_device(outputs: Any, labels: dict) -> torch.device:
+    """The device a replica computes on: that of its labels (else of its logits), where its loss terms are made."""
+    for value in (*labels.values(), outputs.get("logits") if isinstance(outputs, dict) else None):
+        if torch.is_tensor(value):
+            return value.device
+    return torch.device("cpu")
