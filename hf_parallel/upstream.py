@@ -59,6 +59,7 @@ INSTANCE_ATTRIBUTES = (
     ("trainer", "model_accepts_loss_kwargs", "stock passes num_items_in_batch to such models"),
     ("accelerator", "_models", "accelerate's prepared models: the DDP wrapper lives there too"),
     ("accelerator", "gradient_state", "the active dataloader: at its end, which samples of its last batch are real"),
+    ("accelerator", "mixed_precision", "the autocast dtype inside DataParallel replicas (no prepare for DP)"),
 )
 # Attributes of accelerate's `IterableDatasetShard` (an iterable dataset each rank reads itself) that
 # `hf_parallel.exact.streams` reads, or sets (`dataset`), to count its samples.

@@ -1,0 +1,287 @@
+"""
+The steps behind `benchmarks/balance_gpu.py`: one configuration (stock `transformers.Trainer` or `hf_parallel.Trainer`,
+with or without `gpu0_bsz`) trains a causal LM built from a config under DataParallel (torch's over the chosen
+`device_ids`, or the CPU simulation of `hf_parallel.testing` in a dry run); measured are its peak memory per GPU, its
+samples per second and, with `--search`, the largest per-step batch under a memory cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_parallel
+from hf_parallel.chunking import balanced_chunk_sizes, torch_chunk_sizes
+
+GIB = 2**30
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    label: str
+    stock: bool
+    gpu0_bsz: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    config: Config
+    split: list[int]
+    wrapper: str = ""
+    samples_per_s: float | None = None
+    train_loss: float | None = None
+    peaks: list[int] = dataclasses.field(default_factory=list)  # bytes, one per physical device
+    failure: str | None = None  # "out of memory", or the error that stopped the run
+    largest: int | None = None
+    largest_exact: bool = True
+
+
+@dataclasses.dataclass
+class Bench:
+    args: argparse.Namespace
+    device_ids: list[int]
+    device: torch.device
+
+    @property
+    def devices(self) -> list[int]:
+        """The physical CUDA devices whose memory is read (none in a dry run)."""
+        return [] if self.args.dry_run else sorted(set(self.device_ids))
+
+    @property
+    def one_gpu(self) -> bool:
+        return len(self.devices) == 1
+
+
+# ---- The workload ----
+
+
+def model_config(args) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.seq_len,
+        use_cache=not args.no_cache,
+    )
+
+
+def build_model(bench: Bench) -> LlamaForCausalLM:
+    torch.manual_seed(0)  # the same initial weights in every configuration
+    with torch.device(bench.device):
+        model = LlamaForCausalLM(model_config(bench.args))
+    return model.to(DTYPES[bench.args.dtype])
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """`rows` sequences of random token ids; the labels are a copy (the model shifts them)."""
+
+    def __init__(self, rows: int, seq_len: int, vocab_size: int):
+        self.ids = torch.randint(vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class StepTimer(transformers.TrainerCallback):
+    """Seconds of each optimizer step after the first `warmup`, the devices synchronised at both ends."""
+
+    def __init__(self, warmup: int, devices: list[int]):
+        self.warmup, self.devices = warmup, devices
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.devices)
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.devices)
+        if state.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def synchronize(devices: list[int]) -> None:
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+# ---- Running one configuration through its Trainer ----
+
+
+@contextlib.contextmanager
+def data_parallel_over(device_ids: list[int]):
+    """
+    Within the block, a DataParallel wrapper built without `device_ids` (as both Trainers build theirs) spans
+    `device_ids`, a repeated id included: torch fills them in from `_get_all_device_indices`, looked up at call time.
+    """
+    module = importlib.import_module("torch.nn.parallel.data_parallel")
+    if not callable(getattr(module, "_get_all_device_indices", None)):
+        raise SystemExit(
+            f"torch {torch.__version__} has no torch.nn.parallel.data_parallel._get_all_device_indices, which this "
+            "benchmark replaces to set the Trainers' device_ids: run it with torch 2.x as pinned by the project."
+        )
+    saved = module._get_all_device_indices
+    module._get_all_device_indices = lambda: list(device_ids)
+    try:
+        yield
+    finally:
+        module._get_all_device_indices = saved
+
+
+def parallel(bench: Bench):
+    """The DataParallel of the run: simulated on CPU in a dry run, else torch's over `bench.device_ids`."""
+    if bench.args.dry_run:
+        from hf_parallel.testing import simulate_data_parallel
+
+        return simulate_data_parallel(len(bench.device_ids))
+    return data_parallel_over(bench.device_ids)
+
+
+def make_trainer(config: Config, bench: Bench, model, batch: int, max_steps: int, output_dir: str, callbacks=()):
+    library = transformers if config.stock else hf_parallel
+    n = len(bench.device_ids)
+    kwargs = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch // n,
+        max_steps=max_steps,
+        learning_rate=1e-5,
+        logging_steps=max_steps + 1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    if config.gpu0_bsz is not None:
+        kwargs["gpu0_bsz"] = config.gpu0_bsz
+    if bench.args.dry_run:
+        from hf_parallel.testing import simulated_training_args
+
+        training_args = simulated_training_args(n, library.TrainingArguments, **kwargs)
+    else:
+        training_args = library.TrainingArguments(**kwargs)
+        _ = training_args._setup_devices  # cached: n_gpu is computed here once, then set to the replicas' count
+        training_args._n_gpu = n
+    data = RandomTokens(batch * max_steps, bench.args.seq_len, bench.args.vocab_size)
+    trainer = library.Trainer(model=model, args=training_args, train_dataset=data, callbacks=list(callbacks))
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no metrics line per run
+    return trainer
+
+
+def train(config: Config, bench: Bench, model, batch: int, max_steps: int, callbacks=()) -> tuple[float, str]:
+    """`max_steps` steps of `batch` rows through the configuration's Trainer: the mean loss and the wrapper's name."""
+    with tempfile.TemporaryDirectory() as output_dir, parallel(bench):
+        trainer = make_trainer(config, bench, model, batch, max_steps, output_dir, callbacks)
+        output = trainer.train()
+        return output.training_loss, type(trainer.model_wrapped).__name__
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    # DataParallel re-raises a replica's error in the main thread; cuBLAS reports its own failed allocations.
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def release(devices: list[int], model=None) -> None:
+    """Free what a run left behind (gradients, the Trainer's optimizer state in reference cycles, cached blocks)."""
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if devices:
+        torch.cuda.empty_cache()
+
+
+def split_of(config: Config, batch: int, n: int) -> list[int]:
+    if config.gpu0_bsz is None:
+        sizes = torch_chunk_sizes(batch, n)
+        return sizes + [0] * (n - len(sizes))
+    return balanced_chunk_sizes(batch, n, gpu0_bsz=config.gpu0_bsz)
+
+
+def measure(config: Config, bench: Bench) -> Result:
+    args, devices = bench.args, bench.devices
+    result = Result(config, split_of(config, args.batch_size, len(bench.device_ids)))
+    for d in devices:
+        if torch.cuda.memory_allocated(d) > GIB / 4:  # a leak of the previous configuration would count here
+            held = torch.cuda.memory_allocated(d) / GIB
+            print(f"note: {held:.2f} GiB still allocated on GPU {d} before {config.label} (counted in its peak)")
+    model = build_model(bench)
+    timer = StepTimer(args.warmup, devices)
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    try:
+        result.train_loss, result.wrapper = train(
+            config, bench, model, args.batch_size, args.warmup + args.steps, [timer]
+        )
+        result.samples_per_s = args.batch_size / statistics.median(timer.times)
+    except Exception as error:  # one configuration's failure must not lose the others' figures
+        result.failure = "out of memory" if is_out_of_memory(error) else f"{type(error).__name__} (see stderr)"
+        if result.failure != "out of memory":
+            traceback.print_exc()
+    # Read after a failure too: how far it got.
+    result.peaks = [torch.cuda.max_memory_allocated(d) for d in devices]
+    release(devices, model)
+    if args.search and result.failure is None:
+        result.largest, result.largest_exact = largest_batch(config, bench, model)
+    del model
+    release(devices)
+    return result
+
+
+# ---- The largest batch under a memory cap ----
+
+
+def fits(config: Config, bench: Bench, model, batch: int) -> bool:
+    try:
+        train(config, bench, model, batch, max_steps=2)  # the second step runs with the optimizer state allocated
+        fitted = True
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        fitted = False
+    # After the except block, so that the traceback (and the activations its frames hold) is gone.
+    release(bench.devices, model)
+    return fitted
+
+
+def largest_batch(config: Config, bench: Bench, model) -> tuple[int, bool]:
+    """The largest per-step batch under the cap, and whether the bisection finished within its time bound."""
+    args, n = bench.args, len(bench.device_ids)
+    for d in bench.devices:  # the cap applies to the search only
+        total = torch.cuda.get_device_properties(d).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), d)
+    # Rows per device: `low` fits (0 trivially), `high` does not. hf_parallel refuses a gpu0_bsz above the per-device
+    # batch (GPU 0's even share), so the search starts there.
+    floor = config.gpu0_bsz or 0
+    low, high = 0, max(args.max_batch // n, floor) + 1
+    deadline = time.monotonic() + args.search_seconds
+    try:
+        if floor:
+            if not fits(config, bench, model, floor * n):
+                return 0, True
+            low = floor
+        while high - low > 1 and time.monotonic() < deadline:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(config, bench, model, middle * n) else (low, middle)
+    finally:
+        for d in bench.devices:
+            torch.cuda.set_per_process_memory_fraction(1.0, d)
+    return low * n, high - low <= 1
