@@ -1,17 +1,22 @@
 """
 Overhead of the exact loss: step time and peak memory of `hf_parallel.Trainer` against stock
-`transformers.Trainer` on the same workload, measured in one run, interleaved, and printed as median ratios.
+`transformers.Trainer` on the same workload, interleaved, printed as median ratios.
 
     python -m benchmarks.overhead                 # single process and 2-rank DDP (gloo, CPU)
-    python -m benchmarks.overhead --no-ddp --steps 30 --rounds 5
+    python -m benchmarks.overhead --no-ddp --steps 30 --rounds 5 --memory-rounds 3
 
 Workloads: a BERT sequence classifier and a small GPT-2 causal LM, built from configs (nothing downloaded).
-Step time: the median over all timed optimizer steps (the first steps of each run are warm-up). Peak memory: on a
-GPU, `torch.cuda.max_memory_allocated` during training; on CPU, the peak resident set size during training
-(`VmHWM`, reset through /proc/self/clear_refs before each run) minus the resident size when training starts,
-measured in a second pass whose process has glibc serve every block over 64 KiB by mmap and return it at once
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), so that the resident size follows the tensors alive; without
-that, freed memory stays cached in the process and the peak of one run hides inside the cache of the previous one.
+Step time: the median over all timed optimizer steps (the first steps of each run are warm-up), all runs of a mode
+in one process (DDP: in one spawn of 2 ranks), stock and hf_parallel alternating. Peak memory: on a GPU,
+`torch.cuda.max_memory_allocated` during those timed runs. On CPU, the peak resident set size during training
+(`VmHWM`, reset through /proc/self/clear_refs when training starts) minus the resident size at that moment, each
+run (DDP: each spawn of 2 ranks, rank 0 reporting) in a fresh process, the sides alternating, the median over
+`--memory-rounds`. That process has glibc serve every block over 64 KiB by mmap and return it at once
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), so that the resident size follows the tensors alive, not
+what glibc keeps cached; such allocation is slower, so these are not the runs that time the steps. A fresh process
+per run, because even so the resident peak depends on what ran before in the same process: with every run in one
+process, the causal LM's peak read 132.0 MiB for stock and 148.4 MiB for hf_parallel (ratio 1.124; 1.166 under
+DDP), while the same runs each in a fresh process read 168.6 and 168.9 MiB (ratio 1.002).
 """
 
 from __future__ import annotations
@@ -30,10 +35,16 @@ import transformers
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from hf_parallel import Trainer, TrainingArguments
+from hf_parallel.validation import check_whole_number
 
 # Big enough that the loss's tensors (the LM's logits: 8 x 128 x 8000 floats, 33 MB) show in peak memory.
 SEQ = 128
 VOCAB = 8000
+# A CPU memory run: its peak is reached within the first optimizer steps (the optimizer's state is made in the first).
+MEMORY_STEPS, MEMORY_WARMUP = 2, 1
+# glibc serves every block over 64 KiB by mmap and returns freed memory at once (see the module docstring).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def classifier():
@@ -139,13 +150,16 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
     return timer.times, peak
 
 
+def _sides(round_index: int) -> tuple[str, str]:
+    # Alternate which goes first, so warm caches and background load do not favour one side.
+    return ("stock", "hf_parallel") if round_index % 2 == 0 else ("hf_parallel", "stock")
+
+
 def measure(workload: str, steps: int, warmup: int, rounds: int) -> dict:
     times = {"stock": [], "hf_parallel": []}
     peaks = {"stock": [], "hf_parallel": []}
     for r in range(rounds):
-        # Alternate which goes first, so warm caches and background load do not favour one side.
-        order = ("stock", "hf_parallel") if r % 2 == 0 else ("hf_parallel", "stock")
-        for name in order:
+        for name in _sides(r):
             step_times, peak = run_once(name == "stock", workload, steps, warmup)
             times[name].extend(step_times)
             peaks[name].append(peak)
@@ -153,6 +167,10 @@ def measure(workload: str, steps: int, warmup: int, rounds: int) -> dict:
         "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
         "peak_mib": {k: statistics.median(v) / 2**20 for k, v in peaks.items()},
     }
+
+
+def measure_workloads(steps: int, warmup: int, rounds: int) -> dict:
+    return {w: measure(w, steps, warmup, rounds) for w in WORKLOADS}
 
 
 def report(mode: str, times: dict, memory: dict) -> None:
@@ -166,63 +184,101 @@ def report(mode: str, times: dict, memory: dict) -> None:
         )
 
 
-def ddp_worker(steps: int, warmup: int, rounds: int, out: str) -> None:
+def rank0_saves(function, args: tuple, out: str) -> None:
     import torch.distributed as dist
 
-    results = {w: measure(w, steps, warmup, rounds) for w in WORKLOADS}
+    result = function(*args)
     if dist.get_rank() == 0:
-        torch.save(results, out)
+        torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_all(steps: int, warmup: int, rounds: int, ddp: bool) -> dict:
-    results = {"single": {w: measure(w, steps, warmup, rounds) for w in WORKLOADS}}
-    if ddp:
-        from hf_parallel.testing import spawn_cpu_ranks
+def in_two_ranks(function, args: tuple):
+    """`function(*args)` in each of 2 spawned DDP ranks on CPU; returns rank 0's result."""
+    from hf_parallel.testing import spawn_cpu_ranks
 
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "ddp.pt")
-            spawn_cpu_ranks(ddp_worker, (steps, warmup, rounds, out), 2)
-            results["ddp"] = torch.load(out, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        spawn_cpu_ranks(rank0_saves, (function, args, out), 2)
+        return torch.load(out, weights_only=False)
+
+
+def measure_all(steps: int, warmup: int, rounds: int, ddp: bool) -> dict:
+    results = {"single": measure_workloads(steps, warmup, rounds)}
+    if ddp:
+        results["ddp"] = in_two_ranks(measure_workloads, (steps, warmup, rounds))
     return results
 
 
+def memory_run(mode: str, side: str, workload: str, out: str) -> None:
+    """The body of a fresh memory process: one short run, its peak (in bytes) written to `out`."""
+    args = (side == "stock", workload, MEMORY_STEPS, MEMORY_WARMUP)
+    _, peak = run_once(*args) if mode == "single" else in_two_ranks(run_once, args)
+    with open(out, "w") as file:
+        file.write(str(peak))
+
+
+def fresh_peak(mode: str, side: str, workload: str) -> int:
+    """Peak memory of one run in a fresh process whose resident size follows the live tensors (see above)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peak.txt")
+        command = [sys.executable, "-m", "benchmarks.overhead", "--memory-run", mode, side, workload, out]
+        # Its output is library warnings, once per process; shown only when the run fails.
+        done = subprocess.run(command, env={**os.environ, **MALLOC_ENV}, cwd=REPO_ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory run {mode} {side} {workload} failed:\n{done.stdout}{done.stderr}")
+        with open(out) as file:
+            return int(file.read())
+
+
+def measure_memory(rounds: int, ddp: bool) -> dict:
+    memory = {}
+    for mode in ("single", "ddp") if ddp else ("single",):
+        memory[mode] = {}
+        for workload in WORKLOADS:
+            peaks = {"stock": [], "hf_parallel": []}
+            for r in range(rounds):
+                for side in _sides(r):
+                    peaks[side].append(fresh_peak(mode, side, workload))
+            memory[mode][workload] = {"peak_mib": {k: statistics.median(v) / 2**20 for k, v in peaks.items()}}
+    return memory
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer, interleaved (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each trainer, interleaved (default 3)")
+    parser.add_argument(
+        "--memory-rounds",
+        type=int,
+        default=2,
+        help="CPU memory runs of each trainer, each a fresh process (default 2)",
+    )
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP measurement")
-    parser.add_argument("--memory-out", help=argparse.SUPPRESS)  # internal: the CPU memory pass writes here
+    # Internal: the body of one fresh CPU memory process (MODE is single or ddp, SIDE stock or hf_parallel).
+    parser.add_argument("--memory-run", nargs=4, metavar=("MODE", "SIDE", "WORKLOAD", "OUT"), help=argparse.SUPPRESS)
     options = parser.parse_args()
+    try:
+        for name in ("steps", "rounds", "memory_rounds"):
+            check_whole_number("--" + name.replace("_", "-"), getattr(options, name), 1)
+        check_whole_number("--warmup", options.warmup, 0)
+    except ValueError as error:
+        parser.error(str(error))
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if options.memory_out:
-        torch.save(measure_all(2, 1, options.rounds, not options.no_ddp), options.memory_out)
+    if options.memory_run:
+        memory_run(*options.memory_run)
         return
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     timed = measure_all(options.steps, options.warmup, options.rounds, not options.no_ddp)
-    memory = timed
-    if not torch.cuda.is_available():
-        # Peak memory in a second pass, in a process whose resident size follows the live tensors (see above);
-        # mmap-backed allocation is slower, so it is not the pass that times the steps.
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "memory.pt")
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-            command = [
-                sys.executable,
-                "-m",
-                "benchmarks.overhead",
-                "--memory-out",
-                out,
-                "--rounds",
-                str(options.rounds),
-            ]
-            subprocess.run(command + (["--no-ddp"] if options.no_ddp else []), env=env, check=True)
-            memory = torch.load(out, weights_only=False)
+    # On CPU the timed runs' resident peaks depend on the runs before them in the same process (see above).
+    memory = timed if torch.cuda.is_available() else measure_memory(options.memory_rounds, not options.no_ddp)
     report("single process", timed["single"], memory["single"])
     if "ddp" in timed:
         report("DDP 2 (rank 0)", timed["ddp"], memory["ddp"])
