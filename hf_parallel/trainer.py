@@ -126,7 +126,7 @@ class TrainerMixin:
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
-        head = self._exact_head(batch_samples[0] if batch_samples else None)
+        head = self._exact_head(batch_samples[0])
         if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
         if self.compute_loss_func is None:  # a user loss sees whole batches: it cannot leave padding rows out
@@ -214,8 +214,9 @@ class TrainerMixin:
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ):
-        check_not_empty(dataloader.dataset, _dataset_name(description, metric_key_prefix))
-        self._count_samples(dataloader, _dataset_name(description, metric_key_prefix))
+        dataset_name = _dataset_name(description, metric_key_prefix)
+        check_not_empty(dataloader.dataset, dataset_name)
+        self._count_samples(dataloader, dataset_name)
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         self.exact.start_evaluation(keep_outputs=not prediction_loss_only)

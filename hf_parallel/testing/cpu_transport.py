@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..scatter import is_namedtuple, scatter_structure
+from ..scatter import _walk_tensors, is_namedtuple, scatter_structure
 
 __all__ = ["CpuTransport", "simulated_gather", "simulated_scatter", "simulated_scatter_kwargs"]
 
@@ -132,18 +132,6 @@ def simulated_gather(outputs: Sequence[Any], dim: int = 0) -> Any:
     return gather_map(outputs)
 
 
-def _tensors(obj: Any):
-    """Every tensor in a structure of tuples, lists and dicts (ModelOutputs included)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (tuple, list)):
-        for value in obj:
-            yield from _tensors(value)
-
-
 def _rows(chunk_args: Sequence[Any], chunk_kwargs: dict[str, Any], dim: int) -> int | None:
     for value in (*chunk_args, *chunk_kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > dim:
@@ -243,7 +231,7 @@ class CpuTransport:
 
     def gather(self, outputs: Sequence[Any], output_device: Any, dim: int) -> Any:
         gathered = simulated_gather(outputs, dim)
-        self.last_gathered_bytes = sum(t.numel() * t.element_size() for t in _tensors(gathered))
+        self.last_gathered_bytes = sum(t.numel() * t.element_size() for _, t in _walk_tensors(gathered, "outputs"))
         return gathered
 
     def _record(self, inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]]) -> None:
