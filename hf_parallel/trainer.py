@@ -215,7 +215,8 @@ class TrainerMixin:
         metric_key_prefix: str = "eval",
     ):
         dataset_name = _dataset_name(description, metric_key_prefix)
-        check_not_empty(dataloader.dataset, dataset_name)
+        # getattr, as stock: a dataloader need not have a `.dataset` (transformers supports one without it).
+        check_not_empty(getattr(dataloader, "dataset", None), dataset_name)
         self._count_samples(dataloader, dataset_name)
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only

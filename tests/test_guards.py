@@ -267,3 +267,39 @@ def test_stock_says_nothing_useful_on_empty_data(tmp_path):
     trainer = _empty_data_trainer(transformers.Trainer, transformers.TrainingArguments, tmp_path, 4, 0)
     metrics = trainer.evaluate()
     assert "eval_dev_loss" not in metrics
+
+
+class _LoaderWithoutDataset:
+    """A dataloader of several dataloaders with a length and no `.dataset`, which transformers supports."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __len__(self):
+        return sum(len(loader) for loader in self.loaders)
+
+    def __iter__(self):
+        for loader in self.loaders:
+            yield from loader
+
+
+@pytest.mark.parametrize("trainer_base", [Trainer, transformers.Trainer], ids=["hf_parallel", "stock"])
+def test_a_dataloader_without_dataset_trains_and_evaluates(trainer_base, tmp_path):
+    # Stock reads `dataloader.dataset` with getattr: a loader without it trains and evaluates.
+    class LoaderTrainer(trainer_base):
+        def get_train_dataloader(self):
+            return _LoaderWithoutDataset([super().get_train_dataloader()])
+
+        def get_eval_dataloader(self, eval_dataset=None):
+            return _LoaderWithoutDataset([super().get_eval_dataloader(eval_dataset)])
+
+    args_cls = TrainingArguments if trainer_base is Trainer else transformers.TrainingArguments
+    trainer = LoaderTrainer(
+        model=tiny_bert_classifier(),
+        args=training_args(tmp_path, args_cls=args_cls, max_steps=2, per_device_train_batch_size=2),
+        train_dataset=classification_rows(4),
+        eval_dataset=classification_rows(3),
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] > 0
