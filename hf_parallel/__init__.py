@@ -16,6 +16,7 @@ _EXPORTS = {
     "Seq2SeqTrainer": "trainer",
     "Seq2SeqTrainingArguments": "training_args",
     "BalancedDataParallel": "data_parallel",
+    "ExactDataParallel": "data_parallel",
     "balanced_chunk_sizes": "data_parallel",
     "suggest_gpu0_bsz": "data_parallel",
     "unwrap_model": "unwrap",
@@ -38,6 +39,7 @@ __all__ = [
     "Seq2SeqTrainer",
     "Seq2SeqTrainingArguments",
     "BalancedDataParallel",
+    "ExactDataParallel",
     "balanced_chunk_sizes",
     "suggest_gpu0_bsz",
     "unwrap_model",
@@ -57,7 +59,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
     from .checkpoints import load_state_dict
-    from .data_parallel import BalancedDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
+    from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
     from .teardown import release_distributed
     from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin

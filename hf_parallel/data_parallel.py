@@ -25,13 +25,18 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
+from torch.nn.parallel import parallel_apply
+from torch.nn.parallel._functions import Scatter
+
+from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_inputs
-from .transport import CudaTransport, TransportDataParallel, route_gradients_to
 
 __all__ = [
     "BalancedDataParallel",
+    "ExactDataParallel",
     "balanced_chunk_sizes",
     "balanced_wrapper",
+    "with_exact_replicas",
     "check_split_options",
     "suggest_gpu0_bsz",
     "torch_chunk_sizes",
@@ -40,7 +45,25 @@ __all__ = [
 logger = logging.get_logger(__name__)
 
 
-class BalancedDataParallel(TransportDataParallel):
+class ExactDataParallel(nn.DataParallel):
+    """
+    `nn.DataParallel` whose replicas give the wrapped model's parameters the gradients one device would: a parameter
+    no replica used gets `None`, not torch's zeros (see `hf_parallel.replication`), and transformers' `model.device`
+    / `model.dtype` work inside a replica. Everything else is torch's own: the split (`tensor.chunk` semantics), the
+    threads, the gather. `hf_parallel.Trainer` wraps a model in it where stock wraps it in `nn.DataParallel`.
+
+    ```python
+    from hf_parallel import ExactDataParallel
+
+    model = ExactDataParallel(model.cuda())  # same arguments as nn.DataParallel
+    ```
+    """
+
+    def replicate(self, module: nn.Module, device_ids) -> list[nn.Module]:
+        return replicate_with_routing(module, device_ids)
+
+
+class BalancedDataParallel(ExactDataParallel):
     """
     `nn.DataParallel` that gives GPU 0 fewer rows of each batch than the other GPUs.
 
@@ -73,8 +96,6 @@ class BalancedDataParallel(TransportDataParallel):
         gpu0_weight (`float`, *optional*):
             GPU 0's share relative to each other GPU's, in [0, 1]. Set at most one of the two; with neither the
             split is even (GPU 0 never gets more than another GPU).
-        transport (`CudaTransport` or an object with its methods, *optional*):
-            The device work (see `hf_parallel.transport`); defaults to a new `CudaTransport`.
 
     The older form `BalancedDataParallel(gpu0_bsz, model, dim=0)`, with `gpu0_bsz` first, works too.
 
@@ -134,37 +155,21 @@ class BalancedDataParallel(TransportDataParallel):
             _check_module_device(self)
             positions, sizes = self._plan(inputs, kwargs)
             device_ids = [self.device_ids[p] for p in positions]
-            transport, dim = self.transport, self.dim
             inputs, module_kwargs = scatter_inputs(
                 inputs,
                 kwargs,
                 len(device_ids),
-                split=lambda tensor: transport.split(tensor, device_ids, sizes, dim),
-                copy=lambda tensor: transport.copy(tensor, device_ids),
+                split=lambda tensor: Scatter.apply(device_ids, sizes, self.dim, tensor),
+                copy=lambda tensor: [tensor.to(torch.device(self.src_device_obj.type, d)) for d in device_ids],
             )
-            if positions[0] != 0:
-                replicas = self._replicas_without_gpu0(device_ids)
-            else:
-                replicas = self.replicate(self.module, device_ids)
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs, device_ids)
+            # torch's broadcast needs the source device first: when GPU 0 gets no rows, replicate onto it too and
+            # drop that replica (replicated without autograd, it costs no gradient; see hf_parallel.replication).
+            devices = device_ids if positions[0] == 0 else [self.device_ids[0], *device_ids]
+            replicas = self.replicate(self.module, devices)[len(devices) - len(device_ids) :]
+            outputs = parallel_apply(replicas, inputs, module_kwargs, device_ids)
             if positions[0] != 0 and self.training:
                 _keep_buffers(self.module, replicas[0])
             return self.gather(outputs, self.output_device)
-
-    def _replicas_without_gpu0(self, device_ids: list[int]) -> list[nn.Module]:
-        """
-        Replicas on `device_ids` when GPU 0 gets no rows but holds the module. torch's broadcast needs the source
-        first in the device list, so the module is replicated onto GPU 0 too and that replica dropped. With
-        gradients, torch's `Broadcast` would then give the dropped replica a parameter-sized zero gradient on GPU 0
-        in backward: replicate without autograd instead, and route the gradients of the replicas that run straight
-        back to the module's parameters.
-        """
-        devices = [self.device_ids[0], *device_ids]
-        if not torch.is_grad_enabled():
-            return self.replicate(self.module, devices)[1:]
-        with torch.no_grad():
-            replicas = self.replicate(self.module, devices)[1:]
-        return route_gradients_to(self.module, replicas)
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
         """
@@ -220,10 +225,6 @@ def balanced_wrapper(
     the stock wrapping applies: neither option set, not DataParallel (DDP, or one device: warned once, the option
     is ignored), a model already wrapped, SageMaker model parallelism, or an 8-bit/4-bit model.
 
-    `torch.nn.DataParallel` is looked up at call time, as the stock Trainer does: when it is a
-    `TransportDataParallel` (a stand-in that does its device work its own way), the balanced wrapper gets a transport
-    of the same kind.
-
     Args:
         model (`nn.Module`):
             The model the Trainer is about to wrap.
@@ -276,12 +277,16 @@ def balanced_wrapper(
             f"{setting} with exact_loss=False: the stock loss averages the per-GPU mean losses, which is not the "
             "batch mean when the chunks differ in size, as they do here. Keep exact_loss=True (the default)."
         )
-    data_parallel = torch.nn.DataParallel
-    transport_class = (
-        data_parallel.transport_class if issubclass(data_parallel, TransportDataParallel) else CudaTransport
-    )
     # Past the DataParallel wrap, stock only adds wrappers for XLA FSDP and SageMaker DP, neither of which runs
     # with n_gpu > 1 in one process, so the wrapped model is final for training and evaluation alike.
-    return BalancedDataParallel(
-        model, gpu0_bsz=args.gpu0_bsz, gpu0_weight=args.gpu0_weight, transport=transport_class()
-    )
+    return BalancedDataParallel(model, gpu0_bsz=args.gpu0_bsz, gpu0_weight=args.gpu0_weight)
+
+
+def with_exact_replicas(wrapped: nn.Module) -> nn.Module:
+    """
+    The stock Trainer's `nn.DataParallel` wrapper as an `ExactDataParallel` over the same model and devices (so that
+    unused parameters get no gradient, as on one device); any other model as it is.
+    """
+    if type(wrapped) is not nn.DataParallel or not wrapped.device_ids:
+        return wrapped
+    return ExactDataParallel(wrapped.module, wrapped.device_ids, wrapped.output_device, wrapped.dim)

@@ -3,7 +3,7 @@ How a `DataParallel` call is split into one call per device: the structure walke
 
 A call's arguments are a structure of tensors and other objects (tuples, lists, dicts, namedtuples).
 `scatter_structure` splits it into one piece per device the way torch's `scatter` walks it, with the tensor work
-given as functions (a transport's `split` and `copy`, see `hf_parallel.transport`); `batch_rows` checks first that
+given as functions (`split` and `copy`: torch's `Scatter` and a copy per device); `batch_rows` checks first that
 every tensor has the batch's rows.
 """
 

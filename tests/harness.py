@@ -4,7 +4,8 @@ The one way the tests train: `training_args` builds the arguments of a tiny CPU 
 `run_ddp` / `run_ddp_runs` run cases on spawned CPU ranks. `record_hf_parallel_log` records what hf_parallel warns
 about (the `hf_parallel_log` fixture of tests/conftest.py, or in a spawned rank).
 
-A topology is (per-device batch, gradient accumulation, DDP processes, simulated DataParallel devices, gpu0_bsz).
+A topology is (per-device batch, gradient accumulation, DDP processes, emulated DataParallel devices, gpu0_bsz or
+gpu0_weight).
 Every topology of the exact-loss matrix sees the same 2B training rows in one optimizer step, so the loss, the
 gradient and the parameters after the step must equal those of one process with batch 2B.
 """
@@ -74,6 +75,7 @@ class Topology:
     processes: int = 1
     dp_devices: int = 1
     gpu0_bsz: int | None = None
+    gpu0_weight: float | None = None
 
     def arguments(self) -> dict:
         """The `training_args` keywords of this topology (its DDP processes come from the launch)."""
@@ -82,6 +84,8 @@ class Topology:
             kwargs["dp_devices"] = self.dp_devices
         if self.gpu0_bsz is not None:
             kwargs["gpu0_bsz"] = self.gpu0_bsz
+        if self.gpu0_weight is not None:
+            kwargs["gpu0_weight"] = self.gpu0_weight
         return kwargs
 
 

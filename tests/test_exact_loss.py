@@ -35,7 +35,10 @@ IN_PROCESS = (
     Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2),
     Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2),
     Topology("DP 3 split [3,3,2]", per_device=3, dp_devices=3),
+    Topology("DP 4 fewer chunks [3,3,2]", per_device=3, dp_devices=4),
+    Topology("DP 3 balanced gpu0_bsz=0", per_device=3, dp_devices=3, gpu0_bsz=0),
     Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1),
+    Topology("DP 3 balanced gpu0_weight=0.5", per_device=3, dp_devices=3, gpu0_weight=0.5),
     Topology("DP 3 + grad-accum 2", per_device=2, dp_devices=3, accumulation=2),
 )
 
@@ -87,8 +90,8 @@ def test_single_process_equals_the_model_loss_on_the_whole_batch(case):
 def test_in_process_topologies_equal_one_process(case, topology):
     result = run_case(case, topology)
     if topology.dp_devices > 1:
-        expected = "BalancedDataParallel" if topology.gpu0_bsz is not None else "SimulatedDataParallel"
-        assert result["wrapped"] == expected
+        balanced = topology.gpu0_bsz is not None or topology.gpu0_weight is not None
+        assert result["wrapped"] == ("BalancedDataParallel" if balanced else "ExactDataParallel")
     assert_equivalent(result, single(case), f"{case} under {topology.name}")
 
 

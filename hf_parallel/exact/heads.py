@@ -133,9 +133,13 @@ class LossHead:
 
     def combine(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`sum_k weight_k * sums_k / counts_k`, where a term with no item contributes 0 (never NaN)."""
-        counts = counts.to(sums.device, sums.dtype)
-        weights = torch.tensor(self.weights, device=sums.device, dtype=sums.dtype)
-        return (weights * sums / counts.clamp(min=1)).sum()
+        ratios = sums / counts.to(sums.device, sums.dtype).clamp(min=1)
+        # Python floats, not a tensor of the weights: building one each micro-batch is a host-to-device copy (and a
+        # sync on CUDA) in the hot path.
+        first = self.weights[0]
+        if all(weight == first for weight in self.weights):
+            return ratios.sum() * first if first != 1 else ratios.sum()
+        return sum(weight * ratios[..., k].sum() for k, weight in enumerate(self.weights))
 
 
 class CrossEntropyHead(LossHead):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from itertools import chain
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "is_data_parallel",
     "outputs_device",
     "replica_autocast",
+    "replica_step",
     "replicating",
     "run_in_replicas",
     "takes_use_cache",
@@ -64,7 +66,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def is_data_parallel(model: Any) -> bool:
-    """Whether `model` is an `nn.DataParallel` wrapper (stock, balanced or simulated)."""
+    """Whether `model` is an `nn.DataParallel` wrapper (torch's, `ExactDataParallel`, `BalancedDataParallel`)."""
     return isinstance(model, nn.DataParallel)
 
 
@@ -82,6 +84,9 @@ class ReplicaStep(nn.Module):
             The keyword arguments of a call that are labels, handed to `step` apart from the model's inputs.
         autocast_dtype (`torch.dtype`, *optional*):
             The autocast dtype of the model's forward (`None`: no autocast).
+        device_type (`str`, *optional*, defaults to `"cuda"`):
+            The device type the replicas compute on (autocast's first argument). Given, not read from the
+            replica: torch's replicas have no parameters (`next(replica.parameters())` raises `StopIteration`).
     """
 
     def __init__(
@@ -90,35 +95,51 @@ class ReplicaStep(nn.Module):
         step: Callable[[nn.Module, dict, dict], Any],
         label_keys: tuple[str, ...] = (),
         autocast_dtype: torch.dtype | None = None,
+        device_type: str = "cuda",
     ):
         super().__init__()
         self.model = model
         self.step = step
         self.label_keys = label_keys
         self.autocast_dtype = autocast_dtype
+        self.device_type = device_type
 
     def forward(self, **batch: Any) -> Any:
         labels = {key: batch.pop(key) for key in self.label_keys if key in batch}
-        return self.step(_Autocast(self.model, self.autocast_dtype), batch, labels)
+        return self.step(_Autocast(self.model, self.autocast_dtype, self.device_type), batch, labels)
 
 
 class _Autocast:
-    """A callable that runs `model` under autocast with `dtype`, on the device of its parameters; outputs in fp32."""
+    """A callable that runs `model` under autocast with `dtype` on `device_type`; outputs in fp32."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
-        self.model, self.dtype = model, dtype
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str):
+        self.model, self.dtype, self.device_type = model, dtype, device_type
 
     def __call__(self, **inputs: Any) -> Any:
         if self.dtype is None:
             return self.model(**inputs)
-        device = next(self.model.parameters()).device
-        with torch.autocast(device.type, dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype):
             outputs = self.model(**inputs)
         # As accelerate does for a prepared model: downstream code (losses, metrics) sees fp32 outputs.
         return convert_to_fp32(outputs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+
+def replica_step(
+    wrapper: nn.DataParallel,
+    step: Callable[[nn.Module, dict, dict], Any],
+    label_keys: tuple[str, ...] = (),
+    autocast_dtype: torch.dtype | None = None,
+) -> ReplicaStep:
+    """The `ReplicaStep` of `wrapper`'s model: its device type is that of the wrapper's devices."""
+    if wrapper.device_ids:
+        device_type = wrapper.src_device_obj.type
+    else:  # no accelerator: the wrapper runs the model itself, where it is
+        first = next(chain(wrapper.module.parameters(), wrapper.module.buffers()), None)
+        device_type = first.device.type if first is not None else "cpu"
+    return ReplicaStep(wrapper.module, step, label_keys, autocast_dtype, device_type)
 
 
 def replica_autocast(mixed_precision: str | None) -> torch.dtype | None:
@@ -160,7 +181,7 @@ def run_in_replicas(
     overlap = set(inputs) & set(labels)
     if overlap:
         raise ValueError(f"Keys {sorted(overlap)} are both model inputs and labels; pass each once.")
-    replica = ReplicaStep(wrapper.module, step, tuple(labels), autocast_dtype)
+    replica = replica_step(wrapper, step, tuple(labels), autocast_dtype)
     with replicating(wrapper, replica):
         return wrapper(**inputs, **labels)
 
