@@ -16,7 +16,8 @@ Only what touches a CUDA device is replaced, each by the same operation on the C
   both is done here as torch does it);
 - the device discovery of `DataParallel.__init__` (`n` virtual devices; the module stays on the CPU);
 - in `parallel_apply`, the accelerator's device and stream contexts (no-ops that record which virtual device each
-  replica runs on) and its autocast, entered on the CPU with the dtype CUDA's would have.
+  replica runs on) and its autocast, entered on the CPU with the dtype CUDA's would have; in `Scatter`, the copy
+  streams it would set up on a machine that has a GPU.
 
 Limits: every virtual device is the same CPU, so nothing checks that a tensor is used on the device it was sent to,
 memory is not split, and replica threads share the CPU's cores. The records of an `Emulation` (chunk sizes, bytes
@@ -100,7 +101,8 @@ class Emulation:
         return [piece.contiguous() for piece in pieces]
 
     def gather(self, tensors, dim, destination):
-        gathered = torch.cat(list(tensors), dim)
+        with torch.autocast("cpu", enabled=False):  # a copy into one buffer, not an op autocast may recast
+            gathered = torch.cat(list(tensors), dim)
         self.gathered_bytes.append(gathered.numel() * gathered.element_size())
         return gathered
 
@@ -113,7 +115,8 @@ def _reduce_add(inputs, destination=None):
             raise ValueError(f"input {i} has invalid size: got {tuple(tensor.size())}, but expected {tuple(size)}")
     if len(inputs) == 1:
         return inputs[0]
-    return functools.reduce(torch.add, inputs[1:], inputs[0])
+    with torch.autocast("cpu", enabled=False):
+        return functools.reduce(torch.add, inputs[1:], inputs[0])
 
 
 def _broadcast_forward(ctx, target_gpus, *inputs):
@@ -162,6 +165,23 @@ class _NullStream:
 
     def __exit__(self, *exc):
         return False
+
+
+class _NoAccelerator:
+    def is_available(self) -> bool:
+        return False
+
+
+class _ScatterTorch:
+    """
+    What `torch.nn.parallel._functions` sees as `torch`: the real module, except that no accelerator is available, so
+    that `Scatter` does not set up CUDA copy streams for the CPU tensors it splits (on a machine that has a GPU).
+    """
+
+    accelerator = _NoAccelerator()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
 
 
 class _ReplicaThreads:
@@ -289,6 +309,7 @@ def simulate_data_parallel(n_devices: int) -> Iterator[Emulation]:
         (_data_parallel_module, "_get_all_device_indices", lambda: list(range(n_devices))),
         (data_parallel, "__init__", _init_over(emulation, data_parallel.__init__)),
         (_parallel_apply_module, "torch", _ReplicaThreads(emulation)),
+        (_functions, "torch", _ScatterTorch()),
     ]
     with _patched(patches):
         yield emulation
