@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import parallel_apply
+from torch.nn.parallel._functions import Scatter
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
-from torch.nn.parallel import parallel_apply
-from torch.nn.parallel._functions import Scatter
-
 from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_inputs
 

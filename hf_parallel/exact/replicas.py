@@ -34,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from itertools import chain
 from collections.abc import Callable, Iterator
+from itertools import chain
 from typing import Any
 
 import torch
