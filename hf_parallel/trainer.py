@@ -140,8 +140,11 @@ class TrainerMixin:
     def training_step(
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
     ) -> torch.Tensor:
-        if not isinstance(num_items_in_batch, StepCounts):
-            return stock_training_step(self, super().training_step, model, inputs, num_items_in_batch)
+        if not isinstance(num_items_in_batch, StepCounts) or self._exact_head(inputs) is None:
+            # Stock's, also for the rest of a step whose first micro-batch fell back (the model's own loss is not
+            # one hf_parallel can recompute): that step was counted as exact.
+            count = StepCounts.as_stock(num_items_in_batch)
+            return stock_training_step(self, super().training_step, model, inputs, count)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
         with temporarily(self, "loss_is_scaled_for_ga", True):
@@ -160,9 +163,18 @@ class TrainerMixin:
             with self._replica_precision(model):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
-        inputs, labels = self.exact.split_labels(head, inputs, model)
-        terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs)
-        loss = self.exact.reduce(head, terms, step)
+        # The first forward of a head keeps the labels, so the model computes its own loss to judge the head by.
+        check = self.exact.pending_check(head, self.model, inputs, self.compute_loss_func)
+        inputs, labels = self.exact.split_labels(head, inputs, model, build_decoder_inputs=check is None)
+        terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs, check)
+        if check is not None:
+            head = self.exact.settle(check, self.model, terms, step)
+        if head is None:
+            # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss
+            # of the following steps; training_step counts this step as exact, so divide by the accumulation here.
+            loss = terms["model_loss"].mean() / (self.current_gradient_accumulation_steps if step is not None else 1)
+        else:
+            loss = self.exact.reduce(head, terms, step)
         if not return_outputs:
             return loss
         if outputs is None:
@@ -171,11 +183,12 @@ class TrainerMixin:
             outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
         return loss, outputs
 
-    def _loss_terms(self, model, head: LossHead, inputs: dict, labels: dict, step, return_outputs: bool):
+    def _loss_terms(self, model, head: LossHead, inputs: dict, labels: dict, step, return_outputs: bool, check=None):
         """
         The loss terms of one forward (see `ExactLoss.terms`) and its outputs when asked for. Under DataParallel each
         replica computes its own rows' terms, so only those travel to GPU 0, and the outputs (logits) only when
-        wanted (not for training, not for evaluation with `prediction_loss_only`).
+        wanted (not for training, not for evaluation with `prediction_loss_only`). With `check` (candidate heads,
+        `ExactLoss.pending_check`) the model also gets the labels, and each replica compares its own loss with theirs.
         """
         loss_func = self.compute_loss_func
         total = None
@@ -185,9 +198,11 @@ class TrainerMixin:
         keep = return_outputs and (self.exact.outputs_wanted or not data_parallel)
 
         def forward(run, inputs: dict, labels: dict):
-            outputs = run(**inputs)
+            outputs = run(**inputs) if check is None else run(**inputs, **labels)  # no padding rows when checking
             here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
             terms = self.exact.terms(head, outputs, labels, inputs, loss_func=loss_func, total=here)
+            if check is not None:
+                terms.update(self.exact.check_terms(check, outputs, labels, inputs, terms))
             if not keep:
                 return terms, None
             return terms, (without_cache(outputs) if data_parallel else outputs)

@@ -22,71 +22,23 @@ for batch in batches:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
+from .counts import EvalTotals, StepCounts, sequence_length
+from .decoder import decoder_input_ids
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead
 from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, packed_sample_ids, real_rows, row_mask, samples_in
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+from .selfcheck import MAX_CHECKS, candidate_heads, decide, mismatch_reason, replica_check, undecided_reason
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
 
 logger = logging.get_logger("hf_parallel.trainer")
-
-
-@dataclass(frozen=True)
-class StepCounts:
-    """
-    The item counts of one whole optimizer step (all micro-batches, all ranks), per loss term.
-
-    The Trainer hands it to `compute_loss` as `num_items_in_batch`; its type tells an exact step from a stock one.
-    `scale` is the factor that undoes DDP's gradient averaging (the number of processes; 1 without DDP).
-    """
-
-    counts: torch.Tensor
-    scale: int = 1
-
-    def total(self) -> torch.Tensor:
-        return self.counts.sum()
-
-    @staticmethod
-    def as_stock(num_items_in_batch: Any) -> Any:
-        """What the stock Trainer expects as `num_items_in_batch`: the total item count of the step."""
-        return num_items_in_batch.total() if isinstance(num_items_in_batch, StepCounts) else num_items_in_batch
-
-
-class EvalTotals:
-    """Running sums of per-row loss sums and item counts over an evaluation set; `value()` divides once."""
-
-    def __init__(self):
-        self.head: LossHead | None = None
-        self.sums: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-
-    def add(self, head: LossHead, row_sums: torch.Tensor, row_counts: torch.Tensor) -> None:
-        """Add the rows of one batch (already gathered from all ranks, duplicates dropped)."""
-        self.head = head
-        sums, counts = row_sums.detach().double().sum(0), row_counts.detach().sum(0)
-        if self.sums is None:
-            self.sums, self.counts = sums, counts
-        else:
-            self.sums, self.counts = self.sums + sums.to(self.sums.device), self.counts + counts.to(self.counts.device)
-
-    def value(self) -> float | None:
-        if self.sums is None:
-            return None
-        return self.head.combine(self.sums, self.counts).item()
-
-
-def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | None:
-    """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
-    main = batch.get(main_input_name, batch.get("attention_mask"))
-    return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
 
 
 class ExactLoss:
@@ -125,6 +77,10 @@ class ExactLoss:
         self.gather_rows = gather_rows or (lambda rows: rows)
         self.unwrap = unwrap or (lambda model: model)
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
+        # Per cached head: how many forwards checked it against the model's own loss so far; -1 once decided.
+        self._checks: dict[tuple, int] = {}
+        # The last step's counts and micro-batches (the check may change the head, then the count).
+        self._counted: tuple[StepCounts, list[dict], torch.device | None, str] | None = None
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
         #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
@@ -155,10 +111,7 @@ class ExactLoss:
         """
         if not self.enabled:
             return None
-        # Called twice a micro-batch: keyed on what can change (the model, e.g. under model_init; a classifier's
-        # problem_type, settled by the first labels).
-        config = getattr(model, "config", None)
-        key = (id(model), getattr(config, "problem_type", None), loss_func is not None)
+        key = self._key(model, loss_func)
         cached = self._heads.get(key)
         if cached is not None and cached[0] is model:  # the model itself, not a later one reusing its id
             return cached[1]
@@ -172,8 +125,13 @@ class ExactLoss:
         except UnsupportedHead as reason:
             self.warn_fallback(str(reason))
             head = None
-        self._heads[(id(model), getattr(config, "problem_type", None), key[2])] = (model, head)
+        self._heads[self._key(model, loss_func)] = (model, head)  # problem_type may be settled now
         return head
+
+    @staticmethod
+    def _key(model: nn.Module, loss_func: Callable | None) -> tuple:
+        # Asked twice a micro-batch, keyed on what can change: the model (model_init), a classifier's problem_type.
+        return (id(model), getattr(getattr(model, "config", None), "problem_type", None), loss_func is not None)
 
     def _resolve(self, model, batch, blocked, loss_func, loss_func_shifts) -> LossHead:
         if blocked is not None:
@@ -215,10 +173,13 @@ class ExactLoss:
         """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
         counts = sum(self._count(head, batch, main_input_name).to(device) for batch in batches)
         if self.num_processes == 1:
-            return StepCounts(counts, 1)
-        # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
-        # scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-        return StepCounts(self.reduce_sum(counts), self.num_processes)
+            step = StepCounts(counts, 1)
+        else:
+            # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
+            # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
+            step = StepCounts(self.reduce_sum(counts), self.num_processes)
+        self._counted = (step, batches, device, main_input_name)
+        return step
 
     def mark_padding(
         self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
@@ -269,21 +230,76 @@ class ExactLoss:
         (target,) = head.targets(batch, seq_len)
         return (head.valid(target, seq_len)[0] & sample_ids.lt(real).to(target.device)).sum().reshape(1)
 
-    def split_labels(self, head: LossHead, inputs: dict, model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
+    def split_labels(
+        self, head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         """
         A copy of `inputs` without the labels, and the labels; decoder inputs built when the model (unwrapped with
-        `unwrap`, only then) needs them.
+        `unwrap`, only then) needs them, unless `build_decoder_inputs=False` (a forward that keeps the labels, where
+        the model builds its own).
         """
         inputs = dict(inputs)  # the caller's dict keeps its labels
         labels = head.pop_labels(inputs)
         if REAL_ROWS_KEY in inputs:
             labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
-        if head.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+        if (
+            build_decoder_inputs
+            and head.builds_decoder_inputs
+            and "decoder_input_ids" not in inputs
+            and "decoder_inputs_embeds" not in inputs
+        ):
             # The model builds decoder inputs from the labels it no longer receives.
-            inputs["decoder_input_ids"] = self.unwrap(model).prepare_decoder_input_ids_from_labels(
-                labels=labels["labels"]
-            )
+            inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
         return inputs, labels
+
+    # ---- The model's own loss as the judge of the head (see `hf_parallel.exact.selfcheck`) ----
+    def pending_check(
+        self, head: LossHead | None, model: nn.Module, inputs: dict, loss_func: Callable | None = None
+    ) -> tuple[LossHead, ...] | None:
+        """
+        The candidate heads to compare with the model's own loss in the forward of `inputs` (the model then gets the
+        labels), or None: decided already, a user loss (its own judge), or padding rows the model's loss would count.
+        `head` is what `head(model)` returned; `loss_func` the Trainer's `compute_loss_func`.
+        """
+        if head is None or loss_func is not None or REAL_ROWS_KEY in inputs:
+            return None
+        return candidate_heads(head) if self._checks.get(self._key(model, None), 0) >= 0 else None
+
+    def check_terms(self, candidates: tuple[LossHead, ...], outputs, labels: dict, inputs: dict, terms: dict) -> dict:
+        """In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs`."""
+        known = {id(candidates[0]): (terms["sums"], terms["counts"])}
+        return replica_check(
+            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known
+        )
+
+    def settle(
+        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: dict, step: StepCounts | None
+    ) -> LossHead | None:
+        """
+        Decide from the gathered `check_terms` of every replica and rank: the head to compute this micro-batch's loss
+        with (its terms moved to `sums`/`counts`, the step recounted when it changed), or None for the stock loss
+        (warned once, naming the model and both losses). The choice is cached for `model`.
+        """
+        verdict = decide(candidates, terms, self.reduce_sum if self.num_processes > 1 else None)
+        key = self._key(model, None)
+        checks = self._checks.get(key, 0) + 1
+        self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
+        if verdict.index is None:
+            self._heads[key] = (model, None)
+            self.warn_fallback(mismatch_reason(model, candidates, verdict))
+            return None
+        if not verdict.final and checks >= MAX_CHECKS:
+            self.warn_once(undecided_reason(model, candidates, verdict, checks))
+        head = candidates[verdict.index]
+        if verdict.index > 0:
+            terms["sums"], terms["counts"] = terms[f"sums_{verdict.index}"], terms[f"counts_{verdict.index}"]
+            self._heads[key] = (model, head)
+            logger.info(f"exact_loss: {type(self.unwrap(model)).__name__}'s own loss is that of {head}; using it.")
+            counted = self._counted
+            if step is not None and counted is not None and counted[0] is step:
+                # Counted with the head the check replaced: count again (every rank does, as all decided alike).
+                step.counts.copy_(self.count_step(head, *counted[1:]).counts)
+        return head
 
     def loss(
         self,

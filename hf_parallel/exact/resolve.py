@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
 
+from .decoder import decoder_inputs_unbuildable
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
 
 __all__ = ["ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
@@ -76,7 +77,8 @@ def _sequence_classification(name: str, config, labels, smoothing: float) -> Los
     raise UnsupportedHead(f"{name} has an unknown problem_type {problem!r}.")
 
 
-def _head_by_class(name: str, config, sample_labels, smoothing: float) -> LossHead:
+def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHead:
+    name, config = _class_name(model), model.config
     encoder_decoder = getattr(config, "is_encoder_decoder", False)
     if name in QUESTION_ANSWERING:
         if smoothing:
@@ -85,6 +87,9 @@ def _head_by_class(name: str, config, sample_labels, smoothing: float) -> LossHe
     if name in SEQUENCE_CLASSIFICATION:
         return _sequence_classification(name, config, sample_labels, smoothing)
     if encoder_decoder and name in SEQ2SEQ_LM:
+        unbuildable = decoder_inputs_unbuildable(model)
+        if unbuildable is not None:
+            raise UnsupportedHead(unbuildable)
         return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
     if name in CAUSAL_LM and not encoder_decoder:
         return CrossEntropyHead(name="causal_lm", shift=True, smoothing=smoothing, per_position=True)
@@ -158,7 +163,7 @@ def resolve_head(
         raise UnsupportedHead(
             f"{name} adds a router auxiliary loss (config.output_router_logits=True) that the logits do not carry."
         )
-    head = _head_by_class(name, config, sample_labels, label_smoothing)
+    head = _head_by_class(model, sample_labels, label_smoothing)
     if virtual_tokens is not None and getattr(head, "per_position", False) and not head.builds_decoder_inputs:
         raise UnsupportedHead(
             f"the {virtual_tokens} adapter on {name} prepends virtual tokens, so the logits have more positions "
