@@ -165,13 +165,24 @@ def _advice(steps: int, peaks: list[float], rows: list[int], static: float, sugg
     )
 
 
+def replica_static_bytes(model: torch.nn.Module) -> float:
+    """
+    The memory a DataParallel replica holds on a GPU other than GPU 0 whatever its rows: its copy of the parameters
+    and buffers, and, during backward, a gradient the size of each trainable parameter (before it is sent to GPU 0).
+    """
+    params = list(model.parameters())
+    copies = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
+    gradients = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return float(copies + gradients)
+
+
 class Gpu0BszAdvisorCallback(TrainerCallback):
     """
     Under `nn.DataParallel`, measure each GPU's peak memory over the first `after_steps` optimizer steps and log the
     `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
     `gpu0_bsz_suggested` in the next log. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set,
-    else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of the model's parameter
-    and buffer bytes (a replica's static memory). When even `gpu0_bsz=0` would leave GPU 0 the highest, no value
+    else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of a replica's static memory
+    (`replica_static_bytes`: its parameter and buffer copies, and the gradients of its trainable parameters). When even `gpu0_bsz=0` would leave GPU 0 the highest, no value
     evens the load: the warning says so, with the predicted peaks, and `gpu0_bsz_suggested` is 0, the closest value.
     Does nothing on CPU, on one GPU and under DDP.
 
@@ -209,9 +220,7 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
             rows = torch_chunk_sizes(batch_size, len(devices))
             rows += [0] * (len(devices) - len(rows))
         peaks = [float(torch.cuda.max_memory_allocated(d)) for d in devices]
-        static = 0.0
-        if model is not None:
-            static = float(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
+        static = replica_static_bytes(model) if model is not None else 0.0
         self.measured = {"peaks": peaks, "rows": rows, "static": static}
         try:
             self.suggestion = suggest_gpu0_bsz(peaks, rows, static)

@@ -131,6 +131,7 @@ def run_case(
 
     `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP,
     so every DDP case also checks that hf_parallel still wraps the model. `eval_rows=0` does not evaluate at all.
+    Under emulated DataParallel, `result["emulation"]` holds its records (chunk sizes, bytes gathered).
     `iterable` trains on the rows as an iterable dataset (no length), which accelerate dispatches from rank 0 under
     DDP. `classes` (a Trainer and an arguments class) replaces hf_parallel's (or, with `stock`, transformers').
     """
@@ -158,7 +159,7 @@ def run_case(
             simulate_data_parallel(topology.dp_devices) if topology.dp_devices > 1 else contextlib.nullcontext()
         )
         eval_loss = None
-        with simulation:
+        with simulation as emulation:
             if eval_rows and evaluate_first:
                 eval_loss = trainer.evaluate()["eval_loss"]
             train_loss = trainer.train().training_loss
@@ -176,6 +177,7 @@ def run_case(
             "world_size": trainer.args.world_size,
             "parallel_mode": str(trainer.args.parallel_mode),
             "trainer": trainer,
+            "emulation": emulation,  # what the emulated DataParallel moved (None without it)
         }
 
 

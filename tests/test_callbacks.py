@@ -125,7 +125,11 @@ def test_peak_memory_logged_per_device_and_reset(monkeypatch, tmp_path):
 
 def test_advisor_callback_suggests_once(monkeypatch, tmp_path):
     model = CLASSIFIER.build(0)
-    static = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
+    model.bert.embeddings.requires_grad_(False)
+    # A replica holds its parameters and buffers, and a gradient for each trainable parameter during backward.
+    params = [*model.parameters()]
+    static = sum(t.numel() * t.element_size() for t in [*params, *model.buffers()])
+    static += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     # Rows [8, 8]: GPU 0 peaks 2 MiB + 8 rows x 64 KiB above GPU 1, i.e. 32 rows' worth: move 16 rows.
     per_row = 64 * 2**10
     fake = FakeCuda(monkeypatch, [static + 8 * per_row + 2 * 2**20, static + 8 * per_row])
@@ -138,6 +142,7 @@ def test_advisor_callback_suggests_once(monkeypatch, tmp_path):
     state.global_step = 2
     advisor.on_step_end(args, state, None, model=model)
     assert advisor.measured["rows"] == [8, 8]
+    assert advisor.measured["static"] == static
     assert advisor.suggestion == suggest_gpu0_bsz(list(map(float, fake.peaks.values())), [8, 8], float(static))
     assert advisor.suggestion == 0  # 2 MiB / 64 KiB = 32 rows: even GPU 0 with none is still the heavier
     logs = {}
