@@ -182,8 +182,9 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
     `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
     `gpu0_bsz_suggested` in the next log. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set,
     else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of a replica's static memory
-    (`replica_static_bytes`: its parameter and buffer copies, and the gradients of its trainable parameters). When even `gpu0_bsz=0` would leave GPU 0 the highest, no value
-    evens the load: the warning says so, with the predicted peaks, and `gpu0_bsz_suggested` is 0, the closest value.
+    (`replica_static_bytes`: its parameter and buffer copies, and the gradients of its trainable parameters). When
+    even `gpu0_bsz=0` would leave GPU 0 the highest, no value evens the load: the warning says so, with the predicted
+    peaks, and `gpu0_bsz_suggested` is 0, the closest value.
     Does nothing on CPU, on one GPU and under DDP.
 
     Args:
