@@ -15,14 +15,14 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .checkpoints import checkpoint_weight_files, load_state_dict
-from .data_parallel import balanced_wrapper
+from .data_parallel import balanced_wrapper, with_exact_replicas
 from .exact import ExactLoss, LossHead, StepCounts, pull_batches
 from .exact.fallback import stock_compute_loss, stock_training_step
 from .exact.replicas import (
-    ReplicaStep,
     is_data_parallel,
     outputs_device,
     replica_autocast,
+    replica_step,
     replicating,
     run_in_replicas,
     takes_use_cache,
@@ -219,7 +219,7 @@ class TrainerMixin:
         dtype = replica_autocast(self.accelerator.mixed_precision)
         if dtype is None or not is_data_parallel(model):
             return contextlib.nullcontext()
-        return replicating(model, ReplicaStep(model.module, _plain_forward, (), dtype))
+        return replicating(model, replica_step(model, _plain_forward, (), dtype))
 
     def evaluation_loop(
         self,
@@ -265,7 +265,11 @@ class TrainerMixin:
     # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in data_parallel.py) ----
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         wrapped = balanced_wrapper(model, self.args, self.accelerator, training, self.model_accepts_loss_kwargs)
-        return wrapped if wrapped is not None else super()._wrap_model(model, training, dataloader)
+        if wrapped is not None:
+            return wrapped
+        wrapped = super()._wrap_model(model, training, dataloader)
+        # Stock's nn.DataParallel gives a parameter no replica used a zero gradient, where one device gives None.
+        return with_exact_replicas(wrapped) if self.args.exact_loss else wrapped
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         if self.args.exact_loss and self.accelerator.num_processes > 1:
