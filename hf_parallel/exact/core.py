@@ -267,7 +267,7 @@ class ExactLoss:
 
     def check_terms(self, candidates: tuple[LossHead, ...], outputs, labels: dict, inputs: dict, terms: dict) -> dict:
         """In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs`."""
-        known = {id(candidates[0]): (terms["sums"], terms["counts"])}
+        known = {candidates[0]: (terms["sums"], terms["counts"])}
         return replica_check(
             candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known
         )
@@ -378,8 +378,12 @@ class ExactLoss:
             return sums, counts
         losses, valid = head.position_terms(outputs, labels)  # [1, positions]
         sample_ids = sample_ids.to(losses.device)
+        keep = sample_ids.lt(real) if real is not None else torch.ones_like(valid[0])
+        if self._eval_totals is None:
+            # Training adds every sample up anyway: one row, without counting the samples (reading that count back
+            # from the device would synchronise every micro-batch).
+            return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
         samples = int(sample_ids.max()) + 1
-        keep = sample_ids.lt(real if real is not None else samples)
         sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
         counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
             0, sample_ids, (valid[0] & keep).long()

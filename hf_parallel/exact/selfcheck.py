@@ -89,7 +89,7 @@ def replica_check(
     candidates: tuple[LossHead, ...],
     outputs,
     sample_terms: Callable[[LossHead], tuple[torch.Tensor, torch.Tensor]],
-    known: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    known: dict[LossHead, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """
     What one forward (one DataParallel replica's rows) says about the candidates: `check_fits` `[1, K]`, 1 where
@@ -103,14 +103,15 @@ def replica_check(
         candidates (`tuple[LossHead, ...]`): from `candidate_heads`.
         outputs (`ModelOutput`): the forward's outputs, computed with the labels.
         sample_terms (`Callable`): `[samples, terms]` loss sums and item counts of a head on these outputs.
-        known (`dict`, *optional*): terms computed already, by `id` of their head.
+        known (`dict`, *optional*): terms computed already, by their head.
     """
+    # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
 
     def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
-        if id(head) not in computed:
-            computed[id(head)] = sample_terms(head)
-        return computed[id(head)]
+        if head not in computed:
+            computed[head] = sample_terms(head)
+        return computed[head]
 
     check = {}
     for k, candidate in enumerate(candidates[1:], 1):

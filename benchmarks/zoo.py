@@ -1,0 +1,251 @@
+"""
+The model zoo: every class name of the auto mappings hf_parallel claims a head for (`hf_parallel.exact.resolve`),
+built tiny from its config class (`benchmarks.zoo_models`), one optimizer step of 2 rows x gradient accumulation 2
+against the model's own loss and gradient on the same 4 rows in one forward; hf_parallel's Trainer and stock
+`transformers.Trainer` side by side.
+
+    python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (~25 minutes on 2 busy cores)
+    python -m benchmarks.zoo --shard 0/4                    # a quarter of it
+    python -m benchmarks.zoo --classes BartForCausalLM ProphetNetForCausalLM
+
+Outcomes (a class is counted once):
+    exact        the logged loss and the gradient equal the reference (relative difference below `TOL`).
+    fallback     hf_parallel warned that it leaves the loss to the Trainer (stock's); listed with the warning.
+    silent       neither exact nor warned: a loss silently different from the model's own.
+    crash        the Trainer raised where stock trains.
+    unbuildable  the tiny model, its inputs or its own loss could not be made (or stock crashes too), and
+                 models whose forward depends on the rest of the batch (batch norm, token-dropping MoE), where no
+                 split of the step can equal one forward.
+Stock is shown in the same terms (no warnings: exact, silent or crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers.data.data_collator import default_data_collator
+
+import hf_parallel
+from benchmarks.zoo_models import ZooModel, build_model, rows_for, zoo_models
+
+__all__ = ["Outcome", "OUTCOMES", "check_model", "main"]
+
+TOL = 1e-4
+OUTCOMES = ("exact", "fallback", "silent", "crash", "unbuildable")
+# What hf_parallel's fallback warning says (see hf_parallel.exact.core.ExactLoss.warn_fallback).
+_FALLBACK_MARK = "The loss is left to the Trainer"
+
+STEP = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=1,
+    optim="sgd",
+    learning_rate=0.0,  # the gradient is captured before the step; the weights need not move
+    max_grad_norm=0.0,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    disable_tqdm=True,
+    seed=0,
+    data_seed=0,
+    dataloader_num_workers=0,
+    remove_unused_columns=False,
+    include_num_input_tokens_seen="no",
+)
+
+
+@dataclass
+class Outcome:
+    """What one class gave: `ours` and `stock` are outcome names, `reason` says why a class is not exact."""
+
+    name: str
+    kind: str
+    ours: str
+    stock: str
+    reason: str = ""
+
+
+class _Capture(transformers.TrainerCallback):
+    def __init__(self):
+        self.loss, self.grads = None, {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and self.loss is None:
+            self.loss = logs["loss"]
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _hf_parallel_warnings():
+    handler, logger = _Warnings(), logging.getLogger("hf_parallel")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def _relative(a: dict, b: dict) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    scale = max((t.abs().max().item() for t in b.values()), default=0.0) or 1.0
+    return max((a[n] - b[n]).abs().max().item() for n in a) / scale
+
+
+def reference(model: torch.nn.Module, rows: list[dict]) -> tuple[float, dict]:
+    """The model's own loss on all rows in one forward, and its gradient."""
+    model = copy.deepcopy(model).train()
+    loss = model(**default_data_collator(rows)).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def batch_dependent(model: torch.nn.Module, rows: list[dict]) -> bool:
+    """Whether the first rows' logits change with the rest of the batch (then no split can equal one forward)."""
+    model = copy.deepcopy(model).train()
+    with torch.no_grad():
+        whole = model(**default_data_collator(rows))
+        part = model(**default_data_collator(rows[:2]))
+    key = "logits" if "logits" in whole else "start_logits"
+    a, b = whole[key][:2].float(), part[key].float()
+    return a.shape != b.shape or bool((a - b).abs().max() > TOL * max(a.abs().max().item(), 1.0))
+
+
+def train_step(model: torch.nn.Module, rows: list[dict], stock: bool) -> tuple[float, dict, list[str]]:
+    """One GA-2 step of hf_parallel's (or stock's) Trainer: its logged loss, gradient and hf_parallel's warnings."""
+    trainer_cls, args_cls = (
+        (transformers.Trainer, transformers.TrainingArguments)
+        if stock
+        else (hf_parallel.Trainer, hf_parallel.TrainingArguments)
+    )
+    capture = _Capture()
+    with tempfile.TemporaryDirectory() as tmp, _hf_parallel_warnings() as log:
+        trainer = trainer_cls(
+            model=copy.deepcopy(model),
+            args=args_cls(output_dir=tmp, **STEP),
+            train_dataset=hf_parallel_rows(rows),
+            callbacks=[capture],
+        )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        trainer.train()
+    return capture.loss, capture.grads, log.messages
+
+
+def hf_parallel_rows(rows: list[dict]) -> torch.utils.data.Dataset:
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    return Rows()
+
+
+def _judge(result, ref_loss: float, ref_grads: dict) -> tuple[str, str]:
+    """exact / fallback / silent / crash for one training, and why when it is not exact."""
+    if isinstance(result, BaseException):
+        return "crash", f"{type(result).__name__}: {str(result).splitlines()[0][:200] if str(result) else ''}"
+    loss, grads, messages = result
+    loss_ratio = loss / ref_loss if ref_loss else float("nan")
+    grad_diff = _relative(grads, ref_grads)
+    fallback = next((m for m in messages if _FALLBACK_MARK in m), None)
+    if fallback is not None:
+        return "fallback", fallback.split(" The loss is left")[0][:300]
+    if abs(loss - ref_loss) <= TOL * max(abs(ref_loss), 1e-6) and grad_diff <= TOL:
+        return "exact", ""
+    return "silent", f"loss x{loss_ratio:.4f}, gradient off by {grad_diff:.2e} (relative)"
+
+
+def _attempt(function, *args):
+    try:
+        return function(*args)
+    except Exception as error:  # a crash is an outcome here, reported by class
+        return error
+
+
+def check_model(zoo_model: ZooModel) -> Outcome:
+    """Build `zoo_model` tiny, and train one GA-2 step with hf_parallel and with stock against its own loss."""
+    try:
+        model = build_model(zoo_model)
+        rows = rows_for(zoo_model, model)
+        ref_loss, ref_grads = reference(model, rows)
+        if not ref_grads or not torch.isfinite(torch.tensor(ref_loss)):
+            raise ValueError(f"the model's own loss is {ref_loss} with {len(ref_grads)} gradients")
+        if batch_dependent(model, rows):
+            raise ValueError("its forward depends on the rest of the batch")
+    except Exception as error:
+        return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "unbuildable", _one_line(error))
+    stock, stock_reason = _judge(_attempt(train_step, model, rows, True), ref_loss, ref_grads)
+    ours, reason = _judge(_attempt(train_step, model, rows, False), ref_loss, ref_grads)
+    if ours == "crash" and stock == "crash":
+        return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "crash", f"stock crashes too: {stock_reason}")
+    return Outcome(
+        zoo_model.name, zoo_model.kind, ours, stock, reason or (f"stock: {stock_reason}" * (ours != "exact"))
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def report(outcomes: list[Outcome]) -> str:
+    """The counts for hf_parallel and stock, then every class hf_parallel does not make exact, with its reason."""
+    ours, stock = Counter(o.ours for o in outcomes), Counter(o.stock for o in outcomes)
+    lines = [f"{len(outcomes)} classes", f"{'':12}" + "".join(f"{name:>12}" for name in OUTCOMES)]
+    for label, counts in (("hf_parallel", ours), ("stock", stock)):
+        lines.append(f"{label:12}" + "".join(f"{counts.get(name, 0):>12}" for name in OUTCOMES))
+    for outcome in outcomes:
+        if outcome.ours != "exact":
+            lines.append(
+                f"  {outcome.ours:11} {outcome.name} ({outcome.kind}; stock {outcome.stock}): {outcome.reason}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Outcome]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--classes", nargs="*", help="only these class names")
+    parser.add_argument("--shard", default="0/1", help="i/n: every n-th class from the i-th")
+    args = parser.parse_args(argv)
+    index, count = (int(part) for part in args.shard.split("/"))
+    models = [m for m in zoo_models() if not args.classes or m.name in args.classes][index::count]
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("hf_parallel").setLevel(logging.WARNING)
+    outcomes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for zoo_model in models:
+            start = time.perf_counter()
+            outcomes.append(check_model(zoo_model))
+            seconds = time.perf_counter() - start
+            print(f"{outcomes[-1].ours:11} {outcomes[-1].stock:11} {seconds:5.1f}s {zoo_model.name}", flush=True)
+    print(report(outcomes))
+    return outcomes
+
+
+if __name__ == "__main__":
+    main()

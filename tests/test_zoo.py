@@ -1,0 +1,230 @@
+"""
+The model is the judge of its own loss (`hf_parallel.exact.selfcheck`): a sample of each head kind of the model zoo
+(`benchmarks.zoo`) is exact or warned, never silently different, never a crash; a standalone decoder whose loss is
+unshifted is exact in one process, with gradient accumulation, under DataParallel and DDP; the decisions of the
+check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_from_labels`. The whole zoo is `slow`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import BartConfig, BartForCausalLM, BlenderbotConfig, BlenderbotForConditionalGeneration
+from transformers.data.data_collator import default_data_collator
+from transformers.trainer_pt_utils import LabelSmoother
+
+from benchmarks.zoo import check_model, report
+from benchmarks.zoo_models import zoo_models
+from hf_parallel.exact import CrossEntropyHead
+from hf_parallel.exact.decoder import decoder_input_ids, decoder_inputs_unbuildable, shift_right
+from hf_parallel.exact.selfcheck import candidate_heads, decide
+from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
+from tests.heads import Case, lm_rows
+from tests.tiny import VOCAB
+
+TOL = 1e-5
+
+# One or more classes of each head kind, and the classes the class name alone got wrong: unshifted standalone
+# decoders (Bart), a loss the logits do not carry (ProphetNet), an encoder-decoder without
+# prepare_decoder_input_ids_from_labels (Blenderbot). The slow sweep has every other class.
+SAMPLE = {
+    "LlamaForCausalLM": "exact",
+    "BartForCausalLM": "exact",
+    "ProphetNetForCausalLM": "fallback",
+    "BlenderbotForConditionalGeneration": "exact",
+    "BertForMaskedLM": "exact",
+    "BertForTokenClassification": "exact",
+    "BertForSequenceClassification": "exact",
+    "BertForMultipleChoice": "exact",
+    "BertForQuestionAnswering": "exact",
+}
+ZOO = {model.name: model for model in zoo_models()}
+
+
+@pytest.mark.parametrize("name", list(SAMPLE))
+def test_a_sample_of_the_zoo_is_exact_or_warned(name):
+    outcome = check_model(ZOO[name])
+    assert outcome.ours == SAMPLE[name], outcome
+    if name == "BartForCausalLM":
+        assert outcome.stock == "silent", outcome  # the control: stock shifts an unshifted loss's count
+
+
+@pytest.mark.slow
+def test_the_whole_zoo_has_no_silent_difference_and_no_crash():
+    outcomes = [check_model(model) for model in ZOO.values()]
+    bad = [outcome for outcome in outcomes if outcome.ours in ("silent", "crash")]
+    assert not bad, report(outcomes)
+
+
+# ---- An unshifted standalone decoder, under every topology -------------------------------------------------------
+
+
+def bart_decoder(seed: int) -> BartForCausalLM:
+    torch.manual_seed(seed)
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        decoder_layers=1,
+        encoder_layers=1,
+        decoder_attention_heads=2,
+        encoder_attention_heads=2,
+        decoder_ffn_dim=32,
+        encoder_ffn_dim=32,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+    )
+    return BartForCausalLM(config)
+
+
+BART_DECODER = Case("bart_causal_lm_unshifted", bart_decoder, lm_rows)
+BART_DECODER_SMOOTHING = Case("bart_causal_lm_unshifted_smoothing", bart_decoder, lm_rows, label_smoothing=0.1)
+TOPOLOGIES = (
+    Topology("single 2B", per_device=TRAIN_ROWS),
+    Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2),
+    Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2),
+)
+
+
+def reference(case: Case) -> tuple[float, dict]:
+    """The model's own loss on all rows in one forward (label smoothing: transformers' LabelSmoother, unshifted as
+    the model's loss is), and its gradient."""
+    model = case.build(0)
+    batch = default_data_collator(case.rows(TRAIN_ROWS, 1))
+    if case.label_smoothing:
+        labels = batch.pop("labels")
+        loss = LabelSmoother(epsilon=case.label_smoothing)(model(**batch), labels)
+    else:
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("evaluate_first", [True, False], ids=["checked in evaluation", "checked in training"])
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[t.name for t in TOPOLOGIES])
+@pytest.mark.parametrize("case", [BART_DECODER, BART_DECODER_SMOOTHING], ids=lambda case: case.name)
+def test_unshifted_decoder_is_exact(case, topology, evaluate_first, hf_parallel_log):
+    # Checked in training, the first micro-batch switches the head the step was counted with: it is recounted.
+    loss, grads = reference(case)
+    result = run_case(case, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)
+    assert result["loss"] == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result["grads"], grads) < TOL
+    assert "exact_loss" not in hf_parallel_log.text  # a switch of head is no fallback: no warning
+
+
+def test_stock_trains_the_unshifted_decoder_on_another_loss():
+    # The control: stock's count (and, with smoothing, its loss) is shifted for a class in the causal LM mapping.
+    loss, _ = reference(BART_DECODER_SMOOTHING)
+    result = run_case(BART_DECODER_SMOOTHING, TOPOLOGIES[1], stock=True, eval_rows=0)
+    assert result["loss"] != pytest.approx(loss, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_the_head_and_stay_exact(tmp_path):
+    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+    runs = {
+        "checked in training": (BART_DECODER, topology, False, {"evaluate_first": False, "eval_rows": 0}),
+        "checked in evaluation": (BART_DECODER, topology, False, {}),
+    }
+    results = run_ddp_runs(runs, tmp_path)
+    loss, grads = reference(BART_DECODER)
+    for name, result in results.items():
+        assert result["world_size"] == 2, name
+        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
+        assert result["wrapped"] == "DistributedDataParallel", name
+        assert result["loss"] == pytest.approx(loss, rel=TOL), name
+        assert max_relative_diff(result["grads"], grads) < TOL, name
+        assert result["max_rank_param_diff"] == 0.0, name
+
+
+# ---- The decisions of the check --------------------------------------------------------------------------------
+
+
+def _checks(*fits: list[float]) -> dict:
+    rows = torch.tensor(fits, dtype=torch.float64)
+    return {"check_fits": rows, "check_losses": torch.ones(len(fits), 2, dtype=torch.float64)}
+
+
+CANDIDATES = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("fits", "index", "final"),
+    [
+        ([[1, 0]], 0, True),  # the chosen head fits, the other does not: confirmed
+        ([[0, 1], [0, 1]], 1, True),  # the other fits on every replica: switch
+        ([[1, 1]], 0, False),  # both fit: keep it, check again
+        ([[0, 0]], None, True),  # none fits: the stock loss
+        ([[NAN, NAN]], 0, False),  # nothing to compare: keep it, check again
+        ([[1, 0], [0, 1]], None, True),  # replicas disagree: no head fits every replica
+        ([[NAN, NAN], [0, 1]], 1, True),  # a replica without items does not vote
+    ],
+)
+def test_decide(fits, index, final):
+    verdict = decide(CANDIDATES, _checks(*fits))
+    assert (verdict.index, verdict.final) == (index, final)
+
+
+def test_decide_sums_the_votes_of_every_rank():
+    # This rank's replica fits the chosen head; another rank's does not, and fits the other: every rank switches.
+    other_rank = torch.zeros(8, dtype=torch.float64)  # [fit k, miss k, comparisons, loss sums, losses seen]
+    other_rank[1], other_rank[2], other_rank[4] = 1.0, 1.0, 1.0  # fit of 1, miss of 0, one comparison
+    verdict = decide(CANDIDATES, _checks([1, 0]), reduce_sum=lambda votes: votes + other_rank)
+    assert verdict.index is None  # the chosen head missed on one rank, the other on another: no head fits all
+    verdict = decide(CANDIDATES, _checks([0, 1]), reduce_sum=lambda votes: votes + other_rank)
+    assert (verdict.index, verdict.final) == (1, True)
+
+
+def test_candidates_toggle_the_shift_of_a_per_position_head_only():
+    assert [head.shift for head in CANDIDATES] == [True, False]
+    assert len(candidate_heads(CrossEntropyHead(name="sequence_classification/single_label"))) == 1
+
+
+# ---- Decoder inputs ---------------------------------------------------------------------------------------------
+
+
+def _blenderbot(**config) -> BlenderbotForConditionalGeneration:
+    torch.manual_seed(0)
+    settings = dict(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )
+    return BlenderbotForConditionalGeneration(BlenderbotConfig(**{**settings, **config})).eval()
+
+
+def test_decoder_inputs_are_those_the_model_builds_itself():
+    model = _blenderbot()
+    assert not hasattr(model, "prepare_decoder_input_ids_from_labels")
+    ids = torch.randint(5, VOCAB, (2, 6))
+    labels = torch.randint(5, VOCAB, (2, 6)).masked_fill(torch.arange(6) >= 4, -100)
+    own = model(input_ids=ids, labels=labels).logits
+    built = model(input_ids=ids, decoder_input_ids=decoder_input_ids(model, labels)).logits
+    torch.testing.assert_close(built, own, rtol=0, atol=0)
+
+
+def test_shift_right():
+    labels = torch.tensor([[7, 8, -100, -100]])
+    assert shift_right(labels, start_token_id=2, pad_token_id=0).tolist() == [[2, 7, 8, 0]]
+
+
+def test_decoder_inputs_without_the_token_ids_fall_back_naming_the_fix():
+    class NoStartToken(torch.nn.Module):  # a config that names no decoder start token (strict configs refuse None)
+        config = SimpleNamespace(decoder_start_token_id=None, pad_token_id=0)
+
+    model = NoStartToken()
+    reason = decoder_inputs_unbuildable(model)
+    assert "NoStartToken" in reason and "['decoder_start_token_id']" in reason
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        decoder_input_ids(model, torch.zeros(1, 3, dtype=torch.long))
