@@ -191,7 +191,15 @@ def test_a_packed_row_is_split_into_its_samples():
     head = exact.head(model, packed)
     with torch.no_grad():
         inputs, labels = exact.split_labels(head, packed, model)
-        sums, counts = exact._sample_terms(head, model(**inputs), labels, inputs)
+        outputs = model(**inputs)
+        # In training the samples are added up in one row (counting them would read a value off the device).
+        train_sums, train_counts = exact._sample_terms(head, outputs, dict(labels), inputs)
+        exact.start_evaluation()
+        sums, counts = exact._sample_terms(head, outputs, labels, inputs)
+        exact.finish_evaluation()
+        assert train_sums.shape == (1, 1) and sums.shape == (len(sequences), 1)
+        torch.testing.assert_close(train_sums[0], sums.sum(0))
+        assert train_counts[0].item() == counts.sum().item()
         for i, ids in enumerate(sequences):
             alone = model(input_ids=ids[None]).logits[0, :-1]
             expected = torch.nn.functional.cross_entropy(alone, ids[1:], reduction="sum") if len(ids) > 1 else 0.0

@@ -99,16 +99,15 @@ def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
 
 def packed_sample_ids(batch: dict) -> torch.Tensor | None:
     """
-    For a packed batch (one row of several sequences, `position_ids` restarting at 0 at each), the sample index of
-    each position, `[positions]`; None for any other batch (there a row is a sample).
+    For a batch of one row with `position_ids` (a packed row of several sequences, restarting at 0 at each), the
+    sample index of each position, `[positions]`; None for any other batch (there a row is a sample).
     """
     position_ids = batch.get("position_ids")
     if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
-    starts = position_ids[0].eq(0)
-    if int(starts.sum()) <= 1:
-        return None
-    return starts.cumsum(0) - 1
+    # Without reading how many times the positions restart (a device sync per micro-batch): a row that starts once
+    # is one sequence, sample 0 throughout (positions before its start, left padding, count as sample 0 too).
+    return (position_ids[0].eq(0).cumsum(0) - 1).clamp(min=0)
 
 
 def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:

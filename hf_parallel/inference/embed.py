@@ -22,7 +22,7 @@ from transformers.utils import logging
 from ..launch_env import cpu_requested, launcher_world_size, world_size_variable
 from ..unwrap import unwrap_model
 from ..validation import check_whole_number
-from .pooling import SequenceEmbedder, check_pooling
+from .pooling import SequenceEmbedder, check_pooling, check_rows_have_tokens
 from .sharding import OrderedGather, shard_batches
 from .writer import OUTPUT_DTYPES, OUTPUT_SUFFIXES, EmbeddingWriter
 
@@ -126,8 +126,13 @@ def _prepare(model: nn.Module, state, options: _Options) -> tuple[nn.Module, tor
     if not dispatched:
         model.to(device)
     model.eval()
+    # Empty rows are checked on the host, before each batch moves to the device (no sync per batch there).
     module: nn.Module = SequenceEmbedder(
-        model, pooling=options.pooling, layer=options.layer, use_base_model=options.use_base_model
+        model,
+        pooling=options.pooling,
+        layer=options.layer,
+        use_base_model=options.use_base_model,
+        check_empty_rows=False,
     )
     data_parallel = options.data_parallel
     if data_parallel is None:
@@ -155,8 +160,10 @@ def _iterate(model: nn.Module, dataset, state, options: _Options) -> Iterator[to
         num_workers=options.num_workers,
     )
     for rows, batch in zip(batches, loader, strict=True):
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         try:
+            if isinstance(batch.get("attention_mask"), torch.Tensor):
+                check_rows_have_tokens(batch["attention_mask"])
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with torch.inference_mode():
                 local = module(**batch).to(options.dtype)
         except ValueError as error:

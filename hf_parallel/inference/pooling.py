@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["POOLING_METHODS", "SequenceEmbedder", "pool_hidden_states"]
+__all__ = ["POOLING_METHODS", "SequenceEmbedder", "check_rows_have_tokens", "pool_hidden_states"]
 
 POOLING_METHODS = ("mean", "cls", "last")
 
@@ -16,8 +16,20 @@ def check_pooling(pooling: str) -> None:
         raise ValueError(f"pooling={pooling!r} is not supported; use one of {POOLING_METHODS}.")
 
 
+def check_rows_have_tokens(attention_mask: torch.Tensor) -> None:
+    """Raise a `ValueError` naming the rows of `(batch, tokens)` `attention_mask` that have no real token. It reads
+    the mask's values: on an accelerator, a device-to-host sync (check the mask before moving it there)."""
+    empty = torch.nonzero(attention_mask.ne(0).sum(dim=1) == 0).flatten().tolist()
+    if empty:
+        raise ValueError(f"Rows {empty} of the batch have no real token (attention_mask all 0): nothing to pool.")
+
+
 def pool_hidden_states(
-    hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, pooling: str = "mean"
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    pooling: str = "mean",
+    *,
+    check_empty_rows: bool = True,
 ) -> torch.Tensor:
     """
     Pool token states `(batch, tokens, hidden)` into one vector per sequence `(batch, hidden)`, ignoring padding.
@@ -33,6 +45,10 @@ def pool_hidden_states(
             `"mean"`: the mean of the real tokens' states of each row (special tokens such as `[CLS]`/`[SEP]`
             included, as the mask marks them real). `"cls"`: the state of the first real token of each row.
             `"last"`: the state of the last real token of each row (the usual choice for decoder-only models).
+        check_empty_rows (`bool`, *optional*, defaults to `True`):
+            Raise a `ValueError` for a row without any real token (its mean would be NaN). The check reads the mask
+            back (a sync on an accelerator); pass `False` when the mask was checked before it was moved there
+            (`check_rows_have_tokens`), as `embed_dataset` does.
 
     Returns:
         `torch.Tensor` of shape `(batch, hidden)`, in float32 (or float64 if the states are float64): half-precision
@@ -65,9 +81,8 @@ def pool_hidden_states(
             )
         mask = attention_mask.to(device=states.device) != 0
     counts = mask.sum(dim=1)
-    if bool((counts == 0).any()):
-        empty = torch.nonzero(counts == 0).flatten().tolist()
-        raise ValueError(f"Rows {empty} of the batch have no real token (attention_mask all 0): nothing to pool.")
+    if check_empty_rows:
+        check_rows_have_tokens(mask)
     if pooling == "mean":
         # Sum per row over its own tokens and divide by its own count. Reshaping to (batch * tokens, hidden) first and
         # dividing by the mask summed over that axis, a common mistake, gives one vector for the whole batch.
@@ -99,6 +114,8 @@ class SequenceEmbedder(nn.Module):
             Which entry of `hidden_states` to pool: `0` is the embedding output, `-1` the last layer.
         use_base_model (`bool`, *optional*, defaults to `True`):
             Call `model.base_model` (skip the task head). Set `False` for models whose base model output differs.
+        check_empty_rows (`bool`, *optional*, defaults to `True`):
+            See [`pool_hidden_states`].
 
     Example:
 
@@ -113,8 +130,16 @@ class SequenceEmbedder(nn.Module):
     ```
     """
 
-    def __init__(self, model: nn.Module, pooling: str = "mean", layer: int = -1, use_base_model: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        pooling: str = "mean",
+        layer: int = -1,
+        use_base_model: bool = True,
+        check_empty_rows: bool = True,
+    ):
         super().__init__()
+        self.check_empty_rows = check_empty_rows
         check_pooling(pooling)
         base = getattr(model, "base_model", None) if use_base_model else None
         self.is_base_model = isinstance(base, nn.Module)
@@ -144,4 +169,4 @@ class SequenceEmbedder(nn.Module):
                     f"(use {-len(hidden_states)}..{len(hidden_states) - 1})."
                 )
             states = hidden_states[self.layer]
-        return pool_hidden_states(states, attention_mask, self.pooling)
+        return pool_hidden_states(states, attention_mask, self.pooling, check_empty_rows=self.check_empty_rows)
