@@ -7,7 +7,7 @@ against stock measured in the same run.
     python -m benchmarks.balance_gpu                          # every visible GPU (one GPU: device_ids [0, 0])
     python -m benchmarks.balance_gpu --gpu0_bsz 0 2 4 --search --cap_gib 64
     python -m benchmarks.balance_gpu --dtype fp32 --vocab_size 32000 --seq_len 1024 --batch_size 32
-    python -m benchmarks.balance_gpu --dry_run 3              # no GPU: the same flow on 3 simulated devices
+    python -m benchmarks.balance_gpu --dry_run 3              # no GPU: the same flow on 3 emulated devices
 
 Targets for a GPU run, each printed with PASS or MISS:
 1. GPU 0's peak under exact DataParallel (`hf_parallel.Trainer`, no `gpu0_bsz`) <= stock's.
@@ -36,8 +36,9 @@ Trainer takes `loss.mean()`), `hf_parallel.Trainer` with the even split, and `hf
 
 With one GPU, DataParallel runs over `device_ids=[0, 0]`: two replicas on one GPU, torch's real scatter, replicate
 and gather, but both "devices" share one memory, so the per-device peaks coincide (target 2 cannot be assessed
-there). `--dry_run N` runs the same configurations on CPU through `hf_parallel.testing` (`simulate_data_parallel`,
-`simulated_training_args`) with a tiny model: a check that the script works end to end, with no memory figures.
+there). `--dry_run N` runs the same configurations on CPU through `hf_parallel.testing` (`simulate_data_parallel`:
+torch's own DataParallel on N virtual devices; `simulated_training_args`) with a tiny model: a check that the script
+works end to end, with no memory figures.
 
 Exit codes: 0 after printing the figures; 1 when a configuration failed with an error other than running out of
 memory (its traceback on stderr, the other configurations' figures printed); 2 without a CUDA GPU (nothing is
@@ -88,13 +89,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--cap_gib", type=float, default=64.0, help="memory cap per GPU for --search")
     add("--max_batch", type=int, default=0, help="upper end of --search (default: 64 per device)")
     add("--search_seconds", type=float, default=60.0, help="time bound of --search per configuration")
-    add("--dry_run", type=int, default=0, metavar="N", help="CPU, N simulated devices, a tiny model")
+    add("--dry_run", type=int, default=0, metavar="N", help="CPU, N emulated devices, a tiny model")
     args = parser.parse_args(argv)
     for name in ("warmup", "steps", "dry_run", "batch_size", "max_batch"):
         if getattr(args, name) < (1 if name == "steps" else 0):
             parser.error(f"--{name} must be >= {1 if name == 'steps' else 0}, got {getattr(args, name)}.")
     if args.dry_run == 1:
-        parser.error("--dry_run 1 simulates one device, where there is nothing to balance: give 2 or more.")
+        parser.error("--dry_run 1 emulates one device, where there is nothing to balance: give 2 or more.")
     return args
 
 
@@ -145,7 +146,7 @@ def print_workload(bench: Bench, parameters: int) -> None:
     )
     if args.dry_run:
         print(
-            f"Dry run: {args.dry_run} devices simulated on CPU, a tiny model; no memory figures, targets not assessed."
+            f"Dry run: {args.dry_run} devices emulated on CPU, a tiny model; no memory figures, targets not assessed."
         )
     elif bench.one_gpu:
         print(

@@ -1,7 +1,7 @@
 """
 How far stock `transformers.Trainer` is from the exact loss, and how far `hf_parallel.Trainer` is, case by case
-(the cases of the README's exact-loss section), measured in one run on CPU: DataParallel through the CPU
-simulation, DDP with 2 real gloo ranks.
+(the cases of the README's exact-loss section), measured in one run on CPU: torch's DataParallel on virtual CPU
+devices (`hf_parallel.testing.simulate_data_parallel`), DDP with 2 real gloo ranks.
 
     python -m benchmarks.exactness 2>/dev/null   # all cases, DDP included (about a minute on 2 cores)
     python -m benchmarks.exactness --no-ddp

@@ -1,7 +1,7 @@
 """
 The steps behind `benchmarks/balance_gpu.py`: one configuration (stock `transformers.Trainer` or `hf_parallel.Trainer`,
 with or without `gpu0_bsz`) trains a causal LM built from a config under DataParallel (torch's over the chosen
-`device_ids`, or the CPU simulation of `hf_parallel.testing` in a dry run); measured are its peak memory per GPU, its
+`device_ids`, or the CPU emulation of `hf_parallel.testing` in a dry run); measured are its peak memory per GPU, its
 samples per second and, with `--search`, the largest per-step batch under a memory cap.
 """
 
@@ -147,7 +147,7 @@ def data_parallel_over(device_ids: list[int]):
 
 
 def parallel(bench: Bench):
-    """The DataParallel of the run: simulated on CPU in a dry run, else torch's over `bench.device_ids`."""
+    """The DataParallel of the run: torch's over `bench.device_ids`, on virtual CPU devices in a dry run."""
     if bench.args.dry_run:
         from hf_parallel.testing import simulate_data_parallel
 

@@ -1,6 +1,6 @@
 """
 The set-ups the saving tests train in (test_saving.py; test_callbacks.py for CleanCheckpointCallback): the model
-handed to the Trainer plain, wrapped by the Trainer, wrapped or compiled by the user, on simulated GPUs; and what a
+handed to the Trainer plain, wrapped by the Trainer, wrapped or compiled by the user, on emulated GPUs; and what a
 clean checkpoint of it is.
 """
 
@@ -11,22 +11,23 @@ import torch
 from torch import nn
 from transformers import BertForSequenceClassification
 
-from hf_parallel import Trainer, TrainingArguments, unwrap_model
+from hf_parallel import BalancedDataParallel, Trainer, TrainingArguments, unwrap_model
 from hf_parallel.checkpoints import stored_keys
-from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel
+from hf_parallel.testing import simulate_data_parallel
 from tests.harness import training_args
 from tests.tiny import classification_rows, tiny_bert_classifier
 
 WRAPPER_PARTS = {"module", "_orig_mod"}
 
-# How each set-up is built: the args, the model handed to the Trainer, and the simulated GPUs (0: none).
+# How each set-up is built: the args, the model handed to the Trainer (a wrapper is built inside the emulation), and
+# the emulated GPUs (0: none).
 SETUPS = {
     "plain": dict(),
     "dp": dict(n_gpu=2),
     "balanced_dp": dict(n_gpu=3, args=dict(gpu0_bsz=1)),
     "compile": dict(args=dict(torch_compile=True, torch_compile_backend="eager")),
     "user_dp": dict(n_gpu=2, wrap=lambda m: nn.DataParallel(m)),
-    "user_balanced_dp": dict(n_gpu=3, wrap=lambda m: SimulatedBalancedDataParallel(m, gpu0_bsz=1, n_devices=3)),
+    "user_balanced_dp": dict(n_gpu=3, wrap=lambda m: BalancedDataParallel(m, gpu0_bsz=1)),
     # A model compiled by the user: stock's column filter sees only `forward(*args, **kwargs)`, so keep every column.
     "user_compiled": dict(wrap=lambda m: torch.compile(m, backend="eager"), args=dict(remove_unused_columns=False)),
 }

@@ -1,16 +1,19 @@
-"""gpu0_bsz / gpu0_weight in hf_parallel.Trainer, through the DataParallel simulation. The memory callbacks that
+"""gpu0_bsz / gpu0_weight in hf_parallel.Trainer, through the DataParallel emulation. The memory callbacks that
 advise on them: test_callbacks.py."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from transformers.training_args import ParallelMode
 
 import hf_parallel
 from hf_parallel import Trainer
-from hf_parallel.testing import CpuTransport, simulate_data_parallel, spawn_cpu_ranks
+from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
+from tests import harness
 from tests.harness import Topology, record_hf_parallel_log, run_case, training_args
 from tests.heads import CLASSIFIER
 from tests.tiny import classification_rows
@@ -25,23 +28,60 @@ BALANCED_CASES = {
 }
 
 
+@pytest.fixture
+def emulations(monkeypatch):
+    """Every `Emulation` that `run_case`'s `simulate_data_parallel` blocks yield during the test, in order."""
+    recorded = []
+    emulate = harness.simulate_data_parallel
+
+    @contextlib.contextmanager
+    def recording(n_devices):
+        with emulate(n_devices) as emulation:
+            recorded.append(emulation)
+            yield emulation
+
+    monkeypatch.setattr(harness, "simulate_data_parallel", recording)
+    return recorded
+
+
+class StepSplits(transformers.TrainerCallback):
+    """The splits the emulation recorded in each optimizer step: forward inputs, and gradients going back."""
+
+    def __init__(self, emulations):
+        self.emulations = emulations
+        self.steps = []
+        self._recorded = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._recorded = len(self.emulations[-1].chunk_sizes)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sizes = self.emulations[-1].chunk_sizes
+        self.steps.append(sizes[self._recorded :])
+        self._recorded = len(sizes)
+
+
 @pytest.mark.parametrize("case", list(BALANCED_CASES))
-def test_balanced_training_is_exact(case):
-    n_devices, rows, per_device, options, _ = BALANCED_CASES[case]
+def test_balanced_training_is_exact(case, emulations):
+    n_devices, rows, per_device, options, last_split = BALANCED_CASES[case]
     options = dict(options)
     accumulation = options.pop("gradient_accumulation_steps", 1)
     gpu0_bsz = options.pop("gpu0_bsz", None)
     steps = math.ceil(rows / (per_device * n_devices * accumulation))
     topology = Topology(case, per_device, accumulation, dp_devices=n_devices, gpu0_bsz=gpu0_bsz)
     common = dict(train_rows=rows, eval_rows=5, evaluate_first=False, max_steps=steps)
-    result = run_case(CLASSIFIER, topology, **common, **options)
+    splits = StepSplits(emulations)
+    result = run_case(CLASSIFIER, topology, **common, callbacks=(splits,), **options)
     trainer = result["trainer"]
     assert trainer.args.n_gpu == n_devices
     assert trainer.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED
-    # The balanced wrapper, over the CPU transport of the simulated torch.nn.DataParallel.
-    assert isinstance(trainer.model_wrapped, hf_parallel.BalancedDataParallel)
-    assert isinstance(trainer.model_wrapped.transport, CpuTransport)
+    # The balanced wrapper, over the emulation's virtual devices.
+    assert type(trainer.model_wrapped) is hf_parallel.BalancedDataParallel
+    assert trainer.model_wrapped.device_ids == list(range(n_devices))
     assert trainer.model_wrapped.module is trainer.model  # evaluate() did not wrap twice
+    assert len(splits.steps) == steps
+    # Every tensor split in the last step (the inputs, and in backward the gradients) took the balanced split.
+    assert splits.steps[-1] and all(split == last_split for split in splits.steps[-1]), splits.steps[-1]
     one_device = Topology("one device", per_device * n_devices, accumulation)
     single = run_case(CLASSIFIER, one_device, **common, per_device_eval_batch_size=2 * n_devices)
     assert len(result["losses"]) == len(single["losses"]) == steps
@@ -55,19 +95,22 @@ def test_balanced_training_is_exact(case):
     assert any(not torch.equal(params_1[n], initial[n]) for n in params_1)  # it trained
 
 
-def test_evaluation_batches_are_balanced_too():
+def test_evaluation_batches_are_balanced_too(emulations):
     # Training batches of 6 on 3 devices with gpu0_bsz=1 are split [1, 3, 2]; the evaluation batch of 5 rows
     # (per_device_eval_batch_size 2 x 3, 5 rows in the set) is split [1, 2, 2].
     topology = Topology("DP 3, gpu0_bsz=1", per_device=2, dp_devices=3, gpu0_bsz=1)
     trainer = run_case(CLASSIFIER, topology, train_rows=6, eval_rows=0)["trainer"]
-    assert trainer.model_wrapped.transport.last_chunk_sizes == [1, 3, 2]
+    (training,) = emulations
+    assert training.chunk_sizes and all(split == [1, 3, 2] for split in training.chunk_sizes), training.chunk_sizes
     seen = []
     trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True
     )
-    with simulate_data_parallel(3):
+    with simulate_data_parallel(3) as evaluation:
         trainer.evaluate(classification_rows(5, seed=2))
-    assert seen == [1, 2, 2]
+    assert evaluation.chunk_sizes and all(split == [1, 2, 2] for split in evaluation.chunk_sizes)
+    assert sorted(evaluation.replica_devices) == [0, 1, 2]
+    assert sorted(seen) == [1, 2, 2]  # the replicas run in threads, in any order
 
 
 def test_stock_loss_with_loss_kwargs_model_is_refused(tmp_path):
@@ -89,12 +132,12 @@ class Regressor(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.linear = torch.nn.Linear(3, 1)
-        self.chunk_means = []
+        self.chunk_means = []  # (rows, mean loss) of each replica's chunk, in the order the threads ran
 
     def forward(self, x, labels=None):
         pred = self.linear(x).squeeze(-1)
         loss = ((pred - labels) ** 2).mean()
-        self.chunk_means.append(loss.item())
+        self.chunk_means.append((len(x), loss.item()))
         return {"loss": loss, "pred": pred}
 
 
@@ -106,15 +149,17 @@ def test_stock_loss_under_balanced_split_is_the_mean_of_chunk_means_with_a_warni
     options = dict(per_device_train_batch_size=2, max_steps=1, logging_steps=1, gpu0_bsz=1, exact_loss=False)
     args = training_args(tmp_path, dp_devices=3, **options)
     model = Regressor()
-    with simulate_data_parallel(3):
+    with simulate_data_parallel(3) as emulation:
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
     assert "averages the per-GPU mean losses" in hf_parallel_log.text
-    assert trainer.model_wrapped.transport.last_chunk_sizes == [1, 3, 2]
+    assert type(trainer.model_wrapped) is hf_parallel.BalancedDataParallel
+    assert emulation.chunk_sizes[:2] == [[1, 3, 2], [1, 3, 2]]  # x and labels
     logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    assert len(model.chunk_means) == 3
-    assert logged == pytest.approx(sum(model.chunk_means) / 3, rel=1e-5)  # stock: the mean of the 3 chunk means
-    exact = (model.chunk_means[0] * 1 + model.chunk_means[1] * 3 + model.chunk_means[2] * 2) / 6
+    assert sorted(rows for rows, _ in model.chunk_means) == [1, 2, 3]
+    means = [mean for _, mean in model.chunk_means]
+    assert logged == pytest.approx(sum(means) / 3, rel=1e-5)  # stock: the mean of the 3 chunk means
+    exact = sum(rows * mean for rows, mean in model.chunk_means) / 6
     assert abs(logged / exact - 1) > 0.05  # ... which is not the batch mean (x0.926 with this seed)
 
 
@@ -127,9 +172,16 @@ def test_ignored_on_one_device_with_one_warning(hf_parallel_log):
     assert trainer.model_wrapped is trainer.model  # not wrapped at all
 
 
-def test_without_options_the_stock_wrapper_is_used():
+def test_without_options_the_even_split_wrapper_is_used(emulations):
+    # Where stock wraps in nn.DataParallel, hf_parallel.Trainer (exact loss) wraps in ExactDataParallel: torch's
+    # split, not a balanced one.
     result = run_case(CLASSIFIER, Topology("DP 2", per_device=2, dp_devices=2), train_rows=4, eval_rows=0)
-    assert result["wrapped"] == "SimulatedDataParallel"
+    assert result["wrapped"] == "ExactDataParallel"
+    assert type(result["trainer"].model_wrapped) is hf_parallel.ExactDataParallel
+    (emulation,) = emulations
+    assert emulation.chunk_sizes and all(split == [2, 2] for split in emulation.chunk_sizes)
+    stock = run_case(CLASSIFIER, Topology("DP 2", per_device=2, dp_devices=2), stock=True, train_rows=4, eval_rows=0)
+    assert stock["wrapped"] == "DataParallel"
 
 
 def _ddp_worker(output_dir):

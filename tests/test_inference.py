@@ -21,9 +21,9 @@ from safetensors.numpy import load_file
 from torch.utils.data.distributed import DistributedSampler
 
 from examples import embed as embed_example
-from hf_parallel import SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+from hf_parallel import BalancedDataParallel, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
 from hf_parallel.inference import embed as embed_module
-from hf_parallel.testing import SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
+from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 
 # Embedding runs on the CPU here: with a GPU, embed_dataset would move the model to it (and wrap it in DataParallel
 # with several), while the references below run it on the CPU. The ranks of the DDP tests ask for the CPU themselves.
@@ -263,22 +263,27 @@ def test_data_parallel_path_matches_one_process():
     model, tokenizer = tiny_setup("left")
     rows = dna_rows(tokenizer, 7)
     want = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False)
-    # DataParallel over 2 virtual devices (the project's CPU simulation: same chunking and gather as torch's).
-    with simulate_data_parallel(2):
+    # torch's nn.DataParallel over 2 virtual devices (the emulation: torch's own scatter, replicas and gather).
+    with simulate_data_parallel(2) as emulation:
         got_dp = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=True)
     np.testing.assert_allclose(got_dp, want, atol=ATOL, rtol=0)
+    assert emulation.chunk_sizes and all(split in ([2, 1], [1]) for split in emulation.chunk_sizes)
+    assert [2, 1] in emulation.chunk_sizes and set(emulation.replica_devices) == {0, 1}
     # A callable wraps instead: BalancedDataParallel with 1 row on GPU 0 out of each batch of 3 on 3 devices.
     wrappers = []
 
     def balanced(module):
-        wrappers.append(SimulatedBalancedDataParallel(module, gpu0_bsz=1, n_devices=3))
+        wrappers.append(BalancedDataParallel(module, gpu0_bsz=1))
         return wrappers[-1]
 
-    got_balanced = embed_dataset(
-        model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=balanced
-    )
+    with simulate_data_parallel(3) as emulation:
+        got_balanced = embed_dataset(
+            model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=balanced
+        )
     np.testing.assert_allclose(got_balanced, want, atol=ATOL, rtol=0)
-    assert len(wrappers) == 1 and wrappers[0].last_chunk_sizes is not None
+    assert len(wrappers) == 1 and wrappers[0].device_ids == [0, 1, 2]
+    assert emulation.chunk_sizes and all(split in ([1, 1, 1], [1]) for split in emulation.chunk_sizes)
+    assert [1, 1, 1] in emulation.chunk_sizes
     # Real torch.nn.DataParallel on a machine without GPUs runs the module directly; and a model the user already
     # wrapped is unwrapped first.
     got_torch_dp = embed_dataset(model, rows, batch_size=3, tokenizer=tokenizer, progress=False, data_parallel=True)

@@ -22,8 +22,15 @@ from safetensors import safe_open
 from torch import nn
 from transformers import BertForSequenceClassification
 
-from hf_parallel import Trainer, TrainingArguments, load_state_dict, unwrap_model
-from hf_parallel.testing import CpuTransport, SimulatedBalancedDataParallel, simulate_data_parallel, spawn_cpu_ranks
+from hf_parallel import (
+    BalancedDataParallel,
+    ExactDataParallel,
+    Trainer,
+    TrainingArguments,
+    load_state_dict,
+    unwrap_model,
+)
+from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 from tests.distributed.save_train_worker import MAX_STEPS, make_trainer
 from tests.harness import assert_same_weights, training_args, weights_of
 from tests.paths import ROOT, repo_env
@@ -33,6 +40,14 @@ from tests.tiny import ListDataset, classification_rows, qat_model, tiny_bert_cl
 WORKER = ROOT / "tests" / "distributed" / "save_train_worker.py"
 
 SLOW_CASES = {"compile", "user_compiled"}  # compilation takes seconds, even with the eager backend
+# The wrapper hf_parallel.Trainer trains each DataParallel set-up in: ExactDataParallel where stock would use
+# nn.DataParallel (a user's nn.DataParallel included: the Trainer unwraps it and wraps the model itself).
+WRAPPERS = {
+    "dp": ExactDataParallel,
+    "balanced_dp": BalancedDataParallel,
+    "user_dp": ExactDataParallel,
+    "user_balanced_dp": BalancedDataParallel,
+}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in SETUPS])
@@ -41,7 +56,8 @@ def test_checkpoints_are_clean_and_resume(case, tmp_path):
         trainer.train()
         if case in ("dp", "balanced_dp", "user_dp", "user_balanced_dp"):  # the topology the case is about
             assert trainer.args.n_gpu == SETUPS[case]["n_gpu"]
-            assert isinstance(trainer.model_wrapped.transport, CpuTransport)  # the simulated device work
+            assert type(trainer.model_wrapped) is WRAPPERS[case]
+            assert trainer.model_wrapped.device_ids == list(range(SETUPS[case]["n_gpu"]))  # the emulated GPUs
             assert unwrap_model(trainer.model_wrapped) is model
         if case in ("balanced_dp", "user_balanced_dp"):
             assert trainer.model_wrapped.gpu0_bsz == 1 and trainer.args.gpu0_bsz == 1
@@ -262,14 +278,14 @@ def test_load_state_dict_is_the_public_loader(tmp_path, no_gpus):
 def test_user_balanced_wrapper_settings(tmp_path):
     with simulate_data_parallel(3):
         args = training_args(tmp_path, dp_devices=3, **SAVING)
-        wrapped = SimulatedBalancedDataParallel(tiny_bert_classifier(), gpu0_bsz=1, n_devices=3)
+        wrapped = BalancedDataParallel(tiny_bert_classifier(), gpu0_bsz=1)
         trainer = Trainer(model=wrapped, args=args, train_dataset=classification_rows(8))
         assert trainer.model is wrapped.module
         assert trainer.args.gpu0_bsz == 1
         assert args.gpu0_bsz is None  # the caller's arguments are left as they were
 
         conflicting = training_args(tmp_path, dp_devices=3, **SAVING, gpu0_bsz=2)
-        with pytest.raises(ValueError, match=r"wrapped in SimulatedBalancedDataParallel\(gpu0_bsz=1\) but the .*=2"):
+        with pytest.raises(ValueError, match=r"wrapped in BalancedDataParallel\(gpu0_bsz=1\) but the .*=2"):
             Trainer(model=wrapped, args=conflicting, train_dataset=classification_rows(8))
         other = training_args(tmp_path, dp_devices=3, **SAVING, gpu0_weight=0.5)
         with pytest.raises(ValueError, match=r"\(gpu0_bsz=1\) but the TrainingArguments set gpu0_weight=0.5"):
