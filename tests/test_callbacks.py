@@ -88,7 +88,7 @@ def test_callback_replaces_every_file_of_a_sharded_prefixed_checkpoint(tmp_path,
 
 
 def test_callbacks_do_nothing_on_cpu(no_gpus):
-    # Simulated DataParallel reports n_gpu=2: on a machine with GPUs the callbacks would measure real ones.
+    # Emulated DataParallel reports n_gpu=2: on a machine with GPUs the callbacks would measure real ones.
     advisor = Gpu0BszAdvisorCallback(after_steps=1)
     topology = Topology("DP 2", per_device=2, dp_devices=2)
     callbacks = (PeakMemoryCallback(), advisor)

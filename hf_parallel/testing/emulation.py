@@ -66,10 +66,11 @@ class Emulation:
 
     Attributes:
         n_devices (`int`): the virtual devices.
-        chunk_sizes (`list[list[int]]`): the rows of each piece, for every tensor scattered (inputs of a forward;
-            in backward, gradients going back to the inputs).
-        gathered_bytes (`list[int]`): for every tensor gathered on the output device, its bytes.
-        replica_devices (`list[int]`): for every replica run, its virtual device.
+        chunk_sizes (`list[list[int]]`): the rows of each piece, for every tensor scattered: the inputs of a
+            forward, and in backward the gradients of the gathered outputs, scattered back to the replicas.
+        gathered_bytes (`list[int]`): for every tensor gathered on the output device, its bytes: the outputs of a
+            forward, and in backward the gradients of inputs that require them.
+        replica_devices (`list[int]`): for every replica run, its virtual device, in replica order.
         autocast_dtypes (`list[torch.dtype | None]`): for every replica run, its autocast dtype (None: off).
     """
 
@@ -214,13 +215,16 @@ class _VirtualAccelerator:
         return torch.device("cuda")
 
     def current_stream(self, device: int | None = None) -> _NullStream:
+        # parallel_apply asks for each replica's stream on the caller's thread, in replica order, before starting the
+        # threads: the place to record which devices run (the threads themselves start in any order).
+        if device is not None:
+            self._emulation.check_devices([device])
+            self._emulation.replica_devices.append(device)
         return _NullStream()
 
     @contextlib.contextmanager
     def device_index(self, device: int):
         self._emulation.check_devices([device])
-        with self._emulation._lock:
-            self._emulation.replica_devices.append(device)
         yield
 
 
