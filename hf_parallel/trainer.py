@@ -16,7 +16,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
-from .exact import ExactLoss, LossHead, StepCounts, pull_batches
+from .exact import REAL_ROWS_KEY, ExactLoss, LossHead, StepCounts, pull_batches
 from .exact.fallback import stock_compute_loss, stock_training_step
 from .exact.replicas import (
     is_data_parallel,
@@ -196,9 +196,14 @@ class TrainerMixin:
             total = self.exact.user_loss_total(head, labels, step, inputs, self._main_input_name())
         data_parallel = is_data_parallel(model)
         keep = return_outputs and (self.exact.outputs_wanted or not data_parallel)
+        # The model gets the labels for the check, and always where it builds its decoder inputs itself.
+        with_labels = check is not None or getattr(head, "labels_in_forward", False)
 
         def forward(run, inputs: dict, labels: dict):
-            outputs = run(**inputs) if check is None else run(**inputs, **labels)  # no padding rows when checking
+            if with_labels:
+                outputs = run(**inputs, **{key: value for key, value in labels.items() if key != REAL_ROWS_KEY})
+            else:
+                outputs = run(**inputs)
             here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
             terms = self.exact.terms(head, outputs, labels, inputs, loss_func=loss_func, total=here)
             if check is not None:

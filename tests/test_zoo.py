@@ -7,8 +7,6 @@ check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_fro
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import BartConfig, BartForCausalLM, BlenderbotConfig, BlenderbotForConditionalGeneration
@@ -18,17 +16,18 @@ from transformers.trainer_pt_utils import LabelSmoother
 from benchmarks.zoo import check_model, report
 from benchmarks.zoo_models import zoo_models
 from hf_parallel.exact import CrossEntropyHead
-from hf_parallel.exact.decoder import decoder_input_ids, decoder_inputs_unbuildable, shift_right
+from hf_parallel.exact.decoder import LabelsInForwardHead
+from hf_parallel.exact.resolve import resolve_head
 from hf_parallel.exact.selfcheck import candidate_heads, decide
 from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
-from tests.heads import Case, lm_rows
+from tests.heads import Case, lm_rows, seq2seq_rows
 from tests.tiny import VOCAB
 
 TOL = 1e-5
 
 # One or more classes of each head kind, and the classes the class name alone got wrong: unshifted standalone
-# decoders (Bart), a loss the logits do not carry (ProphetNet), an encoder-decoder without
-# prepare_decoder_input_ids_from_labels (Blenderbot). The slow sweep has every other class.
+# decoders (Bart), a loss the logits do not carry (ProphetNet), encoder-decoders without
+# prepare_decoder_input_ids_from_labels (Blenderbot). The slow sweep has the rest.
 SAMPLE = {
     "LlamaForCausalLM": "exact",
     "BartForCausalLM": "exact",
@@ -200,31 +199,21 @@ def _blenderbot(**config) -> BlenderbotForConditionalGeneration:
         encoder_ffn_dim=32,
         decoder_ffn_dim=32,
         max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
     )
     return BlenderbotForConditionalGeneration(BlenderbotConfig(**{**settings, **config})).eval()
 
 
-def test_decoder_inputs_are_those_the_model_builds_itself():
+def test_an_encoder_decoder_without_prepare_decoder_input_ids_keeps_its_labels_in_the_forward():
+    # Blenderbot builds its decoder inputs inside its forward only: the labels stay in, it builds them itself.
     model = _blenderbot()
     assert not hasattr(model, "prepare_decoder_input_ids_from_labels")
-    ids = torch.randint(5, VOCAB, (2, 6))
-    labels = torch.randint(5, VOCAB, (2, 6)).masked_fill(torch.arange(6) >= 4, -100)
-    own = model(input_ids=ids, labels=labels).logits
-    built = model(input_ids=ids, decoder_input_ids=decoder_input_ids(model, labels)).logits
-    torch.testing.assert_close(built, own, rtol=0, atol=0)
-
-
-def test_shift_right():
-    labels = torch.tensor([[7, 8, -100, -100]])
-    assert shift_right(labels, start_token_id=2, pad_token_id=0).tolist() == [[2, 7, 8, 0]]
-
-
-def test_decoder_inputs_without_the_token_ids_fall_back_naming_the_fix():
-    class NoStartToken(torch.nn.Module):  # a config that names no decoder start token (strict configs refuse None)
-        config = SimpleNamespace(decoder_start_token_id=None, pad_token_id=0)
-
-    model = NoStartToken()
-    reason = decoder_inputs_unbuildable(model)
-    assert "NoStartToken" in reason and "['decoder_start_token_id']" in reason
-    with pytest.raises(ValueError, match="decoder_start_token_id"):
-        decoder_input_ids(model, torch.zeros(1, 3, dtype=torch.long))
+    head = resolve_head(model)
+    assert isinstance(head, LabelsInForwardHead) and not head.builds_decoder_inputs
+    result = run_case(Case("blenderbot", lambda seed: _blenderbot(), seq2seq_rows), TOPOLOGIES[2], eval_rows=0)
+    model = _blenderbot()
+    model.train()
+    loss = model(**default_data_collator(seq2seq_rows(TRAIN_ROWS, 1))).loss
+    assert result["loss"] == pytest.approx(loss.item(), rel=TOL)

@@ -1,12 +1,13 @@
 """
-Decoder inputs of an encoder-decoder LM, built from its labels as the model itself would build them.
+Decoder inputs of an encoder-decoder LM, when the labels are kept out of its forward.
 
 The exact loss takes the labels out of the forward (the loss is computed from the logits), so a model that builds
-its decoder inputs from its labels no longer can: the caller builds them. Most encoder-decoders expose how, as
-`prepare_decoder_input_ids_from_labels`. Some build them inside `forward` only (Blenderbot, BlenderbotSmall,
-M2M100, NLLB-MoE, SeamlessM4T's text-to-text): there every one of them shifts the labels one position to the right,
-starts each row with `config.decoder_start_token_id` and replaces the ignored positions (-100) by
-`config.pad_token_id`, which is what `shift_right` does.
+its decoder inputs from its labels no longer can: the caller builds them, with the model's own
+`prepare_decoder_input_ids_from_labels`. Some encoder-decoders build them inside `forward` only, each its own way
+(Blenderbot, BlenderbotSmall, M2M100, NLLB-MoE and SeamlessM4T shift the labels right from
+`config.decoder_start_token_id`; FSMT shifts the *inputs*): their head is a `LabelsInForwardHead`, whose forward
+keeps the labels, so the model builds its decoder inputs itself (and computes its own loss next to the logits, which
+the exact loss does not use: one more cross-entropy per forward, the cost of never guessing).
 
 ```python
 from hf_parallel.exact.decoder import decoder_input_ids
@@ -20,42 +21,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .heads import IGNORE_INDEX
+from .heads import CrossEntropyHead
 
-__all__ = ["decoder_input_ids", "decoder_inputs_unbuildable", "shift_right"]
-
-
-def shift_right(labels: torch.Tensor, start_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """The labels shifted one position to the right, `start_token_id` first, ignored positions as `pad_token_id`."""
-    shifted = labels.new_full(labels.shape, start_token_id)
-    shifted[..., 1:] = labels[..., :-1]
-    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad_token_id)
+__all__ = ["LabelsInForwardHead", "decoder_input_ids"]
 
 
-def _token_ids(model: nn.Module) -> tuple[int | None, int | None]:
-    """The decoder start and pad token ids, from the model's config, else from its generation config."""
-    found = []
-    for name in ("decoder_start_token_id", "pad_token_id"):
-        value = getattr(getattr(model, "config", None), name, None)
-        if value is None:
-            value = getattr(getattr(model, "generation_config", None), name, None)
-        found.append(value)
-    return found[0], found[1]
+class LabelsInForwardHead(CrossEntropyHead):
+    """The cross-entropy of an encoder-decoder that builds its decoder inputs inside its forward only: the labels
+    stay in the model's inputs (`labels_in_forward`), the loss is still recomputed from the logits."""
 
-
-def decoder_inputs_unbuildable(model: nn.Module) -> str | None:
-    """Why the decoder inputs of `model` cannot be built from its labels (the reason names the fix), or None."""
-    if callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
-        return None
-    start, pad = _token_ids(model)
-    missing = [name for name, value in (("decoder_start_token_id", start), ("pad_token_id", pad)) if value is None]
-    if not missing:
-        return None
-    return (
-        f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels and its config sets no {missing}, so "
-        "its decoder inputs cannot be built from the labels. Set them on model.config, or pass decoder_input_ids "
-        "in the batch."
-    )
+    labels_in_forward = True
 
 
 def decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -67,9 +42,9 @@ def decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
         labels (`torch.Tensor`): `[rows, positions]` target ids, -100 where ignored.
     """
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=labels)
-    reason = decoder_inputs_unbuildable(model)
-    if reason is not None:
-        raise ValueError(reason)
-    return shift_right(labels, *_token_ids(model))
+    if not callable(prepare):
+        raise ValueError(
+            f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels: its head keeps the labels in the "
+            "forward (LabelsInForwardHead), so that the model builds its decoder inputs itself."
+        )
+    return prepare(labels=labels)

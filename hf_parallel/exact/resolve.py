@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
 
-from .decoder import decoder_inputs_unbuildable
+from .decoder import LabelsInForwardHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
 
 __all__ = ["ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
@@ -87,9 +87,9 @@ def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHea
     if name in SEQUENCE_CLASSIFICATION:
         return _sequence_classification(name, config, sample_labels, smoothing)
     if encoder_decoder and name in SEQ2SEQ_LM:
-        unbuildable = decoder_inputs_unbuildable(model)
-        if unbuildable is not None:
-            raise UnsupportedHead(unbuildable)
+        if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
+            # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
+            return LabelsInForwardHead(name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True)
         return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
     if name in CAUSAL_LM and not encoder_decoder:
         return CrossEntropyHead(name="causal_lm", shift=True, smoothing=smoothing, per_position=True)

@@ -62,7 +62,7 @@ def candidate_heads(head: LossHead) -> tuple[LossHead, ...]:
     `head`, then the other heads its labels and logits could mean: for a per-position cross-entropy, the same with the
     causal shift toggled (standalone decoders of encoder-decoder families and XLNet do not shift).
     """
-    if not isinstance(head, CrossEntropyHead) or not head.per_position or head.builds_decoder_inputs:
+    if not isinstance(head, CrossEntropyHead) or not head.per_position or head.name.startswith("seq2seq_lm"):
         return (head,)
     other = copy.copy(head)
     other.shift = not head.shift
