@@ -104,7 +104,8 @@ def _lm_head_dtypes(stock: bool, topology: Topology, **overrides) -> list[torch.
         model.lm_head.register_forward_hook(record)
         return model
 
-    run_case(Case("llama_recorded", build, lm_rows), topology, stock=stock, eval_rows=0, bf16=True, **overrides)
+    overrides = {"bf16": True, **overrides}
+    run_case(Case("llama_recorded", build, lm_rows), topology, stock=stock, eval_rows=0, **overrides)
     return record.dtypes
 
 
@@ -118,6 +119,14 @@ def test_bf16_takes_effect_in_every_replica(topology):
     # The stock loss too (without gpu0_bsz: a balanced split refuses the stock loss of a model with loss kwargs).
     stock_replicas = len(torch_chunk_sizes(TRAIN_ROWS, topology.dp_devices))
     assert _lm_head_dtypes(False, _stock(topology), exact_loss=False) == [torch.bfloat16] * stock_replicas
+
+
+@pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
+def test_fp16_takes_effect_in_every_replica(topology):
+    # fp16 too (on a GPU accelerate also keeps its loss scaler for it; on a CPU one device stays in fp32).
+    replicas = 3 if topology.gpu0_bsz == 1 else 2
+    assert _lm_head_dtypes(False, topology, bf16=False, fp16=True) == [torch.float16] * replicas
+    assert set(_lm_head_dtypes(True, DP2, bf16=False, fp16=True)) == {torch.float32}  # stock: no autocast
 
 
 def test_bf16_replicas_train_as_one_device_in_bf16():
