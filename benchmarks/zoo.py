@@ -110,8 +110,9 @@ def _hf_parallel_warnings():
 def _relative(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return float("inf")
-    scale = max((t.abs().max().item() for t in b.values()), default=0.0) or 1.0
-    return max((a[n] - b[n]).abs().max().item() for n in a) / scale
+    names = [n for n in a if b[n].numel()]  # a parameter of no elements has no gradient to compare
+    scale = max((b[n].abs().max().item() for n in names), default=0.0) or 1.0
+    return max(((a[n] - b[n]).abs().max().item() for n in names), default=0.0) / scale
 
 
 def reference(model: torch.nn.Module, rows: list[dict]) -> tuple[float, dict]:
