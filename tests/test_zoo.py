@@ -7,6 +7,8 @@ check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_fro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import BartConfig, BartForCausalLM, BlenderbotConfig, BlenderbotForConditionalGeneration
@@ -51,6 +53,11 @@ def test_a_sample_of_the_zoo_is_exact_or_warned(name):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("HF_PARALLEL_FULL_ZOO"),
+    reason="the whole zoo takes about 40 minutes on 2 cores: HF_PARALLEL_FULL_ZOO=1 pytest tests/test_zoo.py -k whole "
+    "(or python -m benchmarks.zoo --shard i/12)",
+)
 def test_the_whole_zoo_has_no_silent_difference_and_no_crash():
     outcomes = [check_model(model) for model in ZOO.values()]
     bad = [outcome for outcome in outcomes if outcome.ours in ("silent", "crash")]
