@@ -41,6 +41,17 @@ REPLICA_TOPOLOGIES = (DP2, DP3_EMPTY_GPU0, DP3_BALANCED)
 TOPOLOGY_IDS = [t.name for t in REPLICA_TOPOLOGIES]
 
 
+_one_device: dict[tuple, dict] = {}
+
+
+def one_device(case: Case, **overrides) -> dict:
+    """The one-device run of `case` (cached: several tests compare with the same one)."""
+    key = (case.name, tuple(sorted(overrides.items())))
+    if key not in _one_device:
+        _one_device[key] = run_case(case, SINGLE, **overrides)
+    return _one_device[key]
+
+
 def _stock(topology: Topology) -> Topology:
     """The topology for stock transformers, which has no gpu0_bsz: torch's even split on the same devices."""
     return dataclasses.replace(topology, gpu0_bsz=None)
@@ -49,7 +60,7 @@ def _stock(topology: Topology) -> Topology:
 @pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
 def test_training_brings_loss_terms_not_logits_to_device_0(topology):
     logits_bytes = TRAIN_ROWS * SEQ * WIDE_VOCAB * 4
-    reference = run_case(WIDE_LM, SINGLE, eval_rows=0)
+    reference = one_device(WIDE_LM, eval_rows=0)
     exact = run_case(WIDE_LM, topology, eval_rows=0)
     wrapper = "BalancedDataParallel" if topology.gpu0_bsz is not None else "ExactDataParallel"
     assert exact["wrapped"] == wrapper
@@ -110,23 +121,23 @@ def _lm_head_dtypes(stock: bool, topology: Topology, **overrides) -> list[torch.
 
 
 @pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
-def test_bf16_takes_effect_in_every_replica(topology):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_takes_effect_in_every_replica(topology, precision):
+    # hf_parallel: the requested dtype in every replica that runs (torch's replicas have no parameters to read a
+    # device from; on a GPU accelerate also keeps its loss scaler for fp16).
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    replicas = 3 if topology.gpu0_bsz == 1 else 2
+    assert _lm_head_dtypes(False, topology, **{"bf16": False, precision: True}) == [dtype] * replicas
+
+
+def test_mixed_precision_of_the_stock_loss_and_the_stock_trainer():
+    # The stock loss in hf_parallel (exact_loss=False; without gpu0_bsz, which refuses the stock loss of a model with
+    # loss kwargs): bf16 in every replica too.
+    dp3 = Topology("DP 3", per_device=3, dp_devices=3)
+    assert _lm_head_dtypes(False, dp3, exact_loss=False) == [torch.bfloat16] * len(torch_chunk_sizes(TRAIN_ROWS, 3))
     # Stock under DataParallel: transformers skips accelerate's prepare, so no autocast, fp32 (the trap).
     assert set(_lm_head_dtypes(True, DP2)) == {torch.float32}
-    # hf_parallel: bf16 in every replica that runs (torch's replicas have no parameters to read a device from).
-    replicas = 3 if topology.gpu0_bsz == 1 else 2
-    assert _lm_head_dtypes(False, topology) == [torch.bfloat16] * replicas
-    # The stock loss too (without gpu0_bsz: a balanced split refuses the stock loss of a model with loss kwargs).
-    stock_replicas = len(torch_chunk_sizes(TRAIN_ROWS, topology.dp_devices))
-    assert _lm_head_dtypes(False, _stock(topology), exact_loss=False) == [torch.bfloat16] * stock_replicas
-
-
-@pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
-def test_fp16_takes_effect_in_every_replica(topology):
-    # fp16 too (on a GPU accelerate also keeps its loss scaler for it; on a CPU one device stays in fp32).
-    replicas = 3 if topology.gpu0_bsz == 1 else 2
-    assert _lm_head_dtypes(False, topology, bf16=False, fp16=True) == [torch.float16] * replicas
-    assert set(_lm_head_dtypes(True, DP2, bf16=False, fp16=True)) == {torch.float32}  # stock: no autocast
+    assert set(_lm_head_dtypes(True, DP2, bf16=False, fp16=True)) == {torch.float32}
 
 
 def test_bf16_replicas_train_as_one_device_in_bf16():
@@ -292,7 +303,7 @@ def test_tied_weights_with_gpu0_bsz_0_equal_one_device(model, n_devices):
     )
     result = run_case(case, topology, eval_rows=0)
     assert result["emulation"].chunk_sizes[0][0] != 0 and 0 not in result["emulation"].replica_devices
-    reference = run_case(case, SINGLE, eval_rows=0)
+    reference = one_device(case, eval_rows=0)
     assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert max_relative_diff(result["grads"], reference["grads"]) < 1e-5
     assert max_relative_diff(result["params"], reference["params"]) < 1e-5
@@ -311,7 +322,7 @@ ADAMW = dict(optim="adamw_torch", weight_decay=0.1, learning_rate=0.01)
 @pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
 def test_a_parameter_no_row_uses_gets_no_gradient(topology):
     initial = dict(_with_unused_layer(0).named_parameters())
-    reference = run_case(UNUSED, SINGLE, eval_rows=0, **ADAMW)
+    reference = one_device(UNUSED, eval_rows=0, **ADAMW)
     result = run_case(UNUSED, topology, eval_rows=0, **ADAMW)
     # One device: no gradient, so AdamW leaves the layer alone (no decay); the same under DataParallel.
     for name in ("unused.weight", "unused.bias"):
@@ -342,7 +353,7 @@ READS_DEVICE = Case("bert_reads_its_device", _reads_its_device, CASES["bert_sing
 
 @pytest.mark.parametrize("topology", REPLICA_TOPOLOGIES, ids=TOPOLOGY_IDS)
 def test_a_model_that_reads_self_device_trains_in_replicas(topology):
-    reference = run_case(READS_DEVICE, SINGLE)
+    reference = one_device(READS_DEVICE)
     result = run_case(READS_DEVICE, topology)
     assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
