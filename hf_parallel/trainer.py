@@ -166,7 +166,8 @@ class TrainerMixin:
         # The first forward of a head keeps the labels, so the model computes its own loss to judge the head by.
         check = self.exact.pending_check(head, self.model, inputs, self.compute_loss_func)
         inputs, labels = self.exact.split_labels(head, inputs, model, build_decoder_inputs=check is None)
-        terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs, check)
+        with self.exact.watching_decoder(check, model, inputs):  # which decoder inputs the model builds itself
+            terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs, check)
         if check is not None:
             head = self.exact.settle(check, self.model, terms, step)
         if head is None:

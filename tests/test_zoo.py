@@ -2,7 +2,8 @@
 The model is the judge of its own loss (`hf_parallel.exact.selfcheck`): a sample of each head kind of the model zoo
 (`benchmarks.zoo`) is exact or warned, never silently different, never a crash; a standalone decoder whose loss is
 unshifted is exact in one process, with gradient accumulation, under DataParallel and DDP; the decisions of the
-check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_from_labels`. The whole zoo is `slow`.
+check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_from_labels`, and of FSMT, whose forward
+builds other decoder inputs than its `prepare_decoder_input_ids_from_labels`. The whole zoo is `slow`.
 """
 
 from __future__ import annotations
@@ -11,30 +12,40 @@ import os
 
 import pytest
 import torch
-from transformers import BartConfig, BartForCausalLM, BlenderbotConfig, BlenderbotForConditionalGeneration
+from transformers import (
+    BartConfig,
+    BartForCausalLM,
+    BlenderbotConfig,
+    BlenderbotForConditionalGeneration,
+    FSMTConfig,
+    FSMTForConditionalGeneration,
+)
 from transformers.data.data_collator import default_data_collator
 from transformers.trainer_pt_utils import LabelSmoother
 
 from benchmarks.zoo import check_model, report
 from benchmarks.zoo_models import zoo_models
 from hf_parallel.exact import CrossEntropyHead
-from hf_parallel.exact.decoder import LabelsInForwardHead
+from hf_parallel.exact.decoder import LabelsInForwardHead, decoder_input_ids, watch_decoder
 from hf_parallel.exact.resolve import resolve_head
 from hf_parallel.exact.selfcheck import candidate_heads, decide
+from hf_parallel.testing.emulation import Emulation
 from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
-from tests.heads import Case, lm_rows, seq2seq_rows
+from tests.heads import CASES, Case, lm_rows, seq2seq_rows
 from tests.tiny import VOCAB
 
 TOL = 1e-5
 
 # One or more classes of each head kind, and the classes the class name alone got wrong: unshifted standalone
 # decoders (Bart), a loss the logits do not carry (ProphetNet), encoder-decoders without
-# prepare_decoder_input_ids_from_labels (Blenderbot). The slow sweep has the rest.
+# prepare_decoder_input_ids_from_labels (Blenderbot), or whose forward builds others than it does (FSMT). The slow
+# sweep has the rest.
 SAMPLE = {
     "LlamaForCausalLM": "exact",
     "BartForCausalLM": "exact",
     "ProphetNetForCausalLM": "fallback",
     "BlenderbotForConditionalGeneration": "exact",
+    "FSMTForConditionalGeneration": "exact",
     "BertForMaskedLM": "exact",
     "BertForTokenClassification": "exact",
     "BertForSequenceClassification": "exact",
@@ -178,12 +189,22 @@ def test_decide(fits, index, final):
 
 def test_decide_sums_the_votes_of_every_rank():
     # This rank's replica fits the chosen head; another rank's does not, and fits the other: every rank switches.
-    other_rank = torch.zeros(8, dtype=torch.float64)  # [fit k, miss k, comparisons, loss sums, losses seen]
+    # [fit k, miss k, comparisons, loss sums, losses seen, replicas with other decoder inputs]
+    other_rank = torch.zeros(9, dtype=torch.float64)
     other_rank[1], other_rank[2], other_rank[4] = 1.0, 1.0, 1.0  # fit of 1, miss of 0, one comparison
     verdict = decide(CANDIDATES, _checks([1, 0]), reduce_sum=lambda votes: votes + other_rank)
     assert verdict.index is None  # the chosen head missed on one rank, the other on another: no head fits all
     verdict = decide(CANDIDATES, _checks([0, 1]), reduce_sum=lambda votes: votes + other_rank)
     assert (verdict.index, verdict.final) == (1, True)
+
+
+def test_decide_switches_on_other_decoder_inputs_on_any_rank():
+    checks = {**_checks([1, 0]), "check_decoder": torch.tensor([[1.0], [NAN]])}
+    assert not decide(CANDIDATES, checks).decoder_differs  # the same inputs, or not known: no switch
+    another_rank_differs = torch.zeros(9, dtype=torch.float64)
+    another_rank_differs[-1] = 1.0
+    verdict = decide(CANDIDATES, checks, reduce_sum=lambda votes: votes + another_rank_differs)
+    assert verdict.decoder_differs and (verdict.index, verdict.final) == (0, True)
 
 
 def test_candidates_toggle_the_shift_of_a_per_position_head_only():
@@ -224,3 +245,161 @@ def test_an_encoder_decoder_without_prepare_decoder_input_ids_keeps_its_labels_i
     model.train()
     loss = model(**default_data_collator(seq2seq_rows(TRAIN_ROWS, 1))).loss
     assert result["loss"] == pytest.approx(loss.item(), rel=TOL)
+
+
+def _fsmt(seed: int) -> FSMTForConditionalGeneration:
+    torch.manual_seed(seed)
+    config = FSMTConfig(
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+    )
+    return FSMTForConditionalGeneration(config)
+
+
+FSMT = Case("fsmt", _fsmt, seq2seq_rows)
+FSMT_SMOOTHING = Case("fsmt_smoothing", _fsmt, seq2seq_rows, label_smoothing=0.1)
+
+
+def _own_inputs_and_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the decoder of `model` receives in a forward with the labels and no decoder inputs, and its loss."""
+    seen = {}
+
+    def record(module, args, kwargs):
+        seen.setdefault("ids", kwargs["input_ids"] if "input_ids" in kwargs else args[0])
+
+    handle = model.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        loss = model(**batch).loss
+    finally:
+        handle.remove()
+    return seen["ids"], loss
+
+
+def test_fsmt_builds_other_decoder_inputs_than_from_its_labels():
+    # The control: FSMT's forward shifts the inputs, not the labels, so decoder inputs built from the labels (what
+    # every forward after the check got before the switch) give another loss than the model's (stock's, one device).
+    model = _fsmt(0).eval()
+    # Without the row that has no targets, whose labels FSMT's shift cannot build decoder inputs from (IndexError).
+    batch = default_data_collator(seq2seq_rows(TRAIN_ROWS, 1)[1:])
+    own, loss = _own_inputs_and_loss(model, batch)
+    built = decoder_input_ids(model, batch["labels"])
+    assert batch["labels"].eq(-100).any()  # decoder_input_ids left the ignored positions of the labels as they were
+    assert not torch.equal(own, built)
+    # An untrained model's loss hardly depends on its decoder inputs (0.07% here), but beyond the tests' tolerance.
+    assert model(**batch, decoder_input_ids=built).loss.item() != pytest.approx(loss.item(), rel=TOL)
+    watch = watch_decoder(model)
+    try:
+        model(**batch)
+        assert watch.matches(batch["labels"]).item() == 0.0
+    finally:
+        watch.remove()
+    assert not model.get_decoder()._forward_pre_hooks  # removed
+
+
+def test_a_normal_seq2seq_builds_its_decoder_inputs_from_its_labels():
+    model = CASES["bart_seq2seq"].build(0).eval()
+    batch = default_data_collator(CASES["bart_seq2seq"].rows(TRAIN_ROWS, 1))
+    own, _ = _own_inputs_and_loss(model, batch)
+    assert torch.equal(own, decoder_input_ids(model, batch["labels"]))
+    watch = watch_decoder(model)
+    try:
+        model(**batch)
+        assert watch.matches(batch["labels"]).item() == 1.0
+    finally:
+        watch.remove()
+
+
+def fsmt_reference(case: Case) -> tuple[float, dict]:
+    """FSMT's own loss on all rows in one forward, `model(input_ids, attention_mask, labels)` (label smoothing:
+    transformers' LabelSmoother on its logits), and its gradient."""
+    model = case.build(0)
+    batch = default_data_collator(case.rows(TRAIN_ROWS, 1))
+    outputs = model(**batch)
+    loss = (
+        LabelSmoother(epsilon=case.label_smoothing)(outputs, batch["labels"]) if case.label_smoothing else outputs.loss
+    )
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _trained_head(result: dict):
+    trainer = result["trainer"]
+    return trainer.exact.head(trainer.model)
+
+
+@pytest.fixture
+def scatter_copies(monkeypatch):
+    """
+    Each device's rows a copy, as torch's scatter gives them on GPUs (all but the first device's, which are a view of
+    the batch where it lies already). The emulation hands out views of one tensor, which share its version counter:
+    FSMT's forward fills its input_ids in place (`masked_fill_`), so one replica's thread bumps the version of the ids
+    another one's embedding saved, and that backward fails now and then ("modified by an inplace operation").
+    Remove once the emulation copies them itself.
+    """
+    scatter = Emulation.scatter
+
+    def copying_scatter(self, *args):
+        first, *others = scatter(self, *args)
+        return [first, *(piece.clone() for piece in others)]
+
+    monkeypatch.setattr(Emulation, "scatter", copying_scatter)
+
+
+@pytest.mark.parametrize("evaluate_first", [True, False], ids=["checked in evaluation", "checked in training"])
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=[t.name for t in TOPOLOGIES])
+def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, hf_parallel_log, scatter_copies):
+    # Checked in training, the check is the first micro-batch (with the labels): the later ones switch.
+    loss, grads = fsmt_reference(FSMT)
+    result = run_case(FSMT, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)
+    assert result["loss"] == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result["grads"], grads) < TOL
+    head = _trained_head(result)
+    assert isinstance(head, LabelsInForwardHead) and not head.builds_decoder_inputs
+    assert head.name == "seq2seq_lm/labels_in_forward"
+    assert "exact_loss" not in hf_parallel_log.text  # a switch of head is no fallback: no warning
+
+
+@pytest.mark.slow
+def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(tmp_path):
+    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+    runs = {
+        "checked in training": (FSMT, topology, False, {"evaluate_first": False, "eval_rows": 0}),
+        "checked in evaluation": (FSMT, topology, False, {}),
+    }
+    results = run_ddp_runs(runs, tmp_path)
+    loss, grads = fsmt_reference(FSMT)
+    for name, result in results.items():
+        assert result["world_size"] == 2, name
+        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
+        assert result["wrapped"] == "DistributedDataParallel", name
+        assert result["loss"] == pytest.approx(loss, rel=TOL), name
+        assert max_relative_diff(result["grads"], grads) < TOL, name
+        assert result["max_rank_param_diff"] == 0.0, name
+
+
+def test_fsmt_keeps_the_label_smoothing_of_its_head():
+    loss, grads = fsmt_reference(FSMT_SMOOTHING)
+    result = run_case(FSMT_SMOOTHING, TOPOLOGIES[1], evaluate_first=False, eval_rows=0)
+    assert result["loss"] == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result["grads"], grads) < TOL
+    head = _trained_head(result)
+    assert isinstance(head, LabelsInForwardHead) and head.smoothing == 0.1 and head.per_position
+
+
+def test_a_normal_seq2seq_keeps_its_head_after_the_check():
+    result = run_case("bart_seq2seq", TOPOLOGIES[1], evaluate_first=False, eval_rows=0)
+    head = _trained_head(result)
+    assert head.builds_decoder_inputs and not isinstance(head, LabelsInForwardHead)
+    assert head.name == "seq2seq_lm"

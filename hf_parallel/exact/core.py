@@ -6,6 +6,7 @@ the micro-batch's loss **sum** and C the item **count** of the whole step (all m
 before the step runs; under DDP each rank scales it by the world size, since DDP averages gradients. Evaluation adds
 S and C up over the whole set and divides once. `ExactLoss` owns the choice of head (cached per model, with one
 warning per reason when it falls back to the stock loss), the step counts, the loss and the evaluation totals.
+Its check of the head against the model's own loss is `SelfCheck`'s (`hf_parallel.exact.selfcheck`).
 
 ```python
 from hf_parallel.exact import ExactLoss
@@ -29,19 +30,19 @@ from torch import nn
 from transformers.utils import logging
 
 from .counts import EvalTotals, StepCounts, sequence_length
-from .decoder import decoder_input_ids
+from .decoder import decoder_input_ids, needs_decoder_inputs
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead
 from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, packed_sample_ids, real_rows, row_mask, samples_in
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
-from .selfcheck import MAX_CHECKS, candidate_heads, decide, mismatch_reason, replica_check, undecided_reason
+from .selfcheck import SelfCheck
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
 
 logger = logging.get_logger("hf_parallel.trainer")
 
 
-class ExactLoss:
+class ExactLoss(SelfCheck):
     """
     The exact loss of one Trainer: head choice, step counts, the loss, evaluation totals.
 
@@ -79,6 +80,8 @@ class ExactLoss:
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         # Per cached head: how many forwards checked it against the model's own loss so far; -1 once decided.
         self._checks: dict[tuple, int] = {}
+        # While a checked forward runs: what the model's decoder receives (see `SelfCheck.watching_decoder`).
+        self._decoder_watch = None
         # The last step's counts and micro-batches (the check may change the head, then the count).
         self._counted: tuple[StepCounts, list[dict], torch.device | None, str] | None = None
         self._warned: set[str] = set()
@@ -242,64 +245,10 @@ class ExactLoss:
         labels = head.pop_labels(inputs)
         if REAL_ROWS_KEY in inputs:
             labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
-        if (
-            build_decoder_inputs
-            and head.builds_decoder_inputs
-            and "decoder_input_ids" not in inputs
-            and "decoder_inputs_embeds" not in inputs
-        ):
+        if build_decoder_inputs and needs_decoder_inputs(head, inputs):
             # The model builds decoder inputs from the labels it no longer receives.
             inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
         return inputs, labels
-
-    # ---- The model's own loss as the judge of the head (see `hf_parallel.exact.selfcheck`) ----
-    def pending_check(
-        self, head: LossHead | None, model: nn.Module, inputs: dict, loss_func: Callable | None = None
-    ) -> tuple[LossHead, ...] | None:
-        """
-        The candidate heads to compare with the model's own loss in the forward of `inputs` (the model then gets the
-        labels), or None: decided already, a user loss (its own judge), or padding rows the model's loss would count.
-        `head` is what `head(model)` returned; `loss_func` the Trainer's `compute_loss_func`.
-        """
-        if head is None or loss_func is not None or REAL_ROWS_KEY in inputs:
-            return None
-        return candidate_heads(head) if self._checks.get(self._key(model, None), 0) >= 0 else None
-
-    def check_terms(self, candidates: tuple[LossHead, ...], outputs, labels: dict, inputs: dict, terms: dict) -> dict:
-        """In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs`."""
-        known = {candidates[0]: (terms["sums"], terms["counts"])}
-        return replica_check(
-            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known
-        )
-
-    def settle(
-        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: dict, step: StepCounts | None
-    ) -> LossHead | None:
-        """
-        Decide from the gathered `check_terms` of every replica and rank: the head to compute this micro-batch's loss
-        with (its terms moved to `sums`/`counts`, the step recounted when it changed), or None for the stock loss
-        (warned once, naming the model and both losses). The choice is cached for `model`.
-        """
-        verdict = decide(candidates, terms, self.reduce_sum if self.num_processes > 1 else None)
-        key = self._key(model, None)
-        checks = self._checks.get(key, 0) + 1
-        self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
-        if verdict.index is None:
-            self._heads[key] = (model, None)
-            self.warn_fallback(mismatch_reason(model, candidates, verdict))
-            return None
-        if not verdict.final and checks >= MAX_CHECKS:
-            self.warn_once(undecided_reason(model, candidates, verdict, checks))
-        head = candidates[verdict.index]
-        if verdict.index > 0:
-            terms["sums"], terms["counts"] = terms[f"sums_{verdict.index}"], terms[f"counts_{verdict.index}"]
-            self._heads[key] = (model, head)
-            logger.info(f"exact_loss: {type(self.unwrap(model)).__name__}'s own loss is that of {head}; using it.")
-            counted = self._counted
-            if step is not None and counted is not None and counted[0] is step:
-                # Counted with the head the check replaced: count again (every rank does, as all decided alike).
-                step.counts.copy_(self.count_step(head, *counted[1:]).counts)
-        return head
 
     def loss(
         self,

@@ -5,25 +5,41 @@ The exact loss takes the labels out of the forward (the loss is computed from th
 its decoder inputs from its labels no longer can: the caller builds them, with the model's own
 `prepare_decoder_input_ids_from_labels`. Some encoder-decoders build them inside `forward` only, each its own way
 (Blenderbot, BlenderbotSmall, M2M100, NLLB-MoE and SeamlessM4T shift the labels right from
-`config.decoder_start_token_id`; FSMT shifts the *inputs*): their head is a `LabelsInForwardHead`, whose forward
-keeps the labels, so the model builds its decoder inputs itself (and computes its own loss next to the logits, which
-the exact loss does not use: one more cross-entropy per forward, the cost of never guessing).
+`config.decoder_start_token_id`): their head is a `LabelsInForwardHead`, whose forward keeps the labels, so the
+model builds its decoder inputs itself (and computes its own loss next to the logits, which the exact loss does not
+use: one more cross-entropy per forward, the cost of never guessing).
+
+A `prepare_decoder_input_ids_from_labels` does not prove that the forward builds the same: FSMT's shifts the labels,
+while its forward, given labels and no decoder inputs, shifts the *inputs*. So the checked forward of a head (the
+labels in, no decoder inputs: see `hf_parallel.exact.selfcheck`) watches what its decoder receives
+(`DecoderInputsWatch`); where that is not what `decoder_input_ids` builds from the same labels, the head becomes a
+`LabelsInForwardHead` (`keeping_labels_in_forward`).
 
 ```python
-from hf_parallel.exact.decoder import decoder_input_ids
+from hf_parallel.exact.decoder import decoder_input_ids, needs_decoder_inputs
 
-inputs["decoder_input_ids"] = decoder_input_ids(model, labels["labels"])
+if needs_decoder_inputs(head, inputs):
+    inputs["decoder_input_ids"] = decoder_input_ids(model, labels["labels"])
 ```
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
-from .heads import CrossEntropyHead
+from .heads import CrossEntropyHead, LossHead
 
-__all__ = ["LabelsInForwardHead", "decoder_input_ids"]
+__all__ = [
+    "DecoderInputsWatch",
+    "LabelsInForwardHead",
+    "decoder_input_ids",
+    "keeping_labels_in_forward",
+    "needs_decoder_inputs",
+    "watch_decoder",
+]
 
 
 class LabelsInForwardHead(CrossEntropyHead):
@@ -47,4 +63,78 @@ def decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
             f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels: its head keeps the labels in the "
             "forward (LabelsInForwardHead), so that the model builds its decoder inputs itself."
         )
-    return prepare(labels=labels)
+    # A copy: FSMT's shift_tokens_right replaces the -100 of the labels by the pad id in place, which would make the
+    # ignored positions items of the loss.
+    return prepare(labels=labels.clone())
+
+
+def needs_decoder_inputs(head: LossHead, inputs: dict) -> bool:
+    """Whether a forward of `inputs` without the labels needs decoder inputs built from them: `head` is an
+    encoder-decoder LM's (`builds_decoder_inputs`) and `inputs` hold no decoder inputs of their own."""
+    return head.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs
+
+
+def keeping_labels_in_forward(head: CrossEntropyHead) -> LabelsInForwardHead:
+    """`head` (an encoder-decoder LM's, `builds_decoder_inputs`), with the labels kept in the forward instead."""
+    return LabelsInForwardHead(
+        head.label_keys,
+        f"{head.name}/labels_in_forward",
+        shift=head.shift,
+        smoothing=head.smoothing,
+        per_position=head.per_position,
+    )
+
+
+class DecoderInputsWatch:
+    """
+    The decoder inputs a model builds itself in a forward that has the labels and no decoder inputs, recorded by a
+    forward pre-hook on its decoder until `remove`. Per thread: each DataParallel replica runs in its own thread, and
+    its decoder (a copy that shares the hooks of the model's) records there, for its own rows.
+
+    Args:
+        model (`nn.Module`): the encoder-decoder model, out of DataParallel/DDP wrappers.
+        decoder (`nn.Module`): its decoder (`watch_decoder` finds it).
+    """
+
+    def __init__(self, model: nn.Module, decoder: nn.Module):
+        self.model = model
+        self._seen = threading.local()
+        self._handle = decoder.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # The first call only: the inputs of the forward's decoder pass, not of a later call in the same thread.
+        if not hasattr(self._seen, "ids"):
+            self._seen.ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+
+    def matches(self, labels: torch.Tensor) -> torch.Tensor:
+        """
+        `[1, 1]`: 1 where the decoder inputs this thread's forward built are those `decoder_input_ids` builds from
+        `labels` (its rows), 0 where they differ, NaN where the decoder saw no ids. Forgets what it saw.
+        """
+        seen = vars(self._seen).pop("ids", None)
+        if not torch.is_tensor(seen):
+            return torch.full((1, 1), float("nan"), device=labels.device)
+        try:
+            # On the CPU (a copy of a few ids, once): a model's shift can fail on labels its forward never shifts
+            # (FSMT's indexes a row without targets at -1), an exception here, a device-side assert on a GPU.
+            built = decoder_input_ids(self.model, labels.cpu())
+        except (IndexError, RuntimeError, ValueError):
+            built = None  # split_labels cannot build them, where the model's forward did
+        same = built is not None and seen.shape == built.shape and torch.equal(seen.cpu(), built)
+        return torch.full((1, 1), float(same), device=labels.device)
+
+    def remove(self) -> None:
+        """Remove the hook."""
+        self._handle.remove()
+
+
+def watch_decoder(model: nn.Module) -> DecoderInputsWatch | None:
+    """A `DecoderInputsWatch` on the decoder of `model` (unwrapped), or None when it has no decoder of its own."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    # transformers' get_decoder returns the model itself when it finds no decoder: its input_ids are the encoder's.
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        return None
+    return DecoderInputsWatch(model, decoder)

@@ -19,6 +19,11 @@ comparison possible (a batch without items, a model that returns no loss) or mor
 untrained model whose logits hardly depend on the position): checked again at the next forward, up to
 `MAX_CHECKS` times.
 
+The checked forward of an encoder-decoder LM's head (`builds_decoder_inputs`) also compares the decoder inputs the
+model builds itself with those the later forwards get, built from the labels (`hf_parallel.exact.decoder`): where
+they differ on a replica of any rank, the head keeps the labels in the forward from then on (`LabelsInForwardHead`).
+`SelfCheck` holds the check's methods of `ExactLoss`.
+
 ```python
 from hf_parallel.exact.selfcheck import candidate_heads, decide, replica_check
 
@@ -31,15 +36,32 @@ verdict = decide(candidates, check)  # the head to keep, or None
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from transformers.utils import logging
 
+from .counts import StepCounts
+from .decoder import DecoderInputsWatch, keeping_labels_in_forward, needs_decoder_inputs, watch_decoder
 from .heads import CrossEntropyHead, LossHead
+from .remainder import REAL_ROWS_KEY
 
-__all__ = ["MAX_CHECKS", "Verdict", "candidate_heads", "compared_head", "decide", "replica_check", "tolerance"]
+__all__ = [
+    "MAX_CHECKS",
+    "SelfCheck",
+    "Verdict",
+    "candidate_heads",
+    "compared_head",
+    "decide",
+    "replica_check",
+    "tolerance",
+]
+
+logger = logging.get_logger("hf_parallel.trainer")
 
 #: How many forwards may fail to tell the candidates apart before the chosen head is kept as it is.
 MAX_CHECKS = 8
@@ -142,14 +164,16 @@ def replica_check(
 class Verdict:
     """
     What the votes decided: `index` of the candidate to use (None: no candidate fits, the stock loss), whether the
-    decision is `final` (False: the check runs again at the next forward), and the mean `model_loss` and
-    `head_loss` (of the first candidate) over the comparisons, for the warning.
+    decision is `final` (False: the check runs again at the next forward), the mean `model_loss` and `head_loss` (of
+    the first candidate) over the comparisons, for the warning, and whether the model built other decoder inputs
+    than those built from its labels on a replica of any rank (`decoder_differs`).
     """
 
     index: int | None
     final: bool
     model_loss: float
     head_loss: float
+    decoder_differs: bool = False
 
 
 def decide(
@@ -163,10 +187,14 @@ def decide(
 
     Args:
         candidates (`tuple[LossHead, ...]`): the candidates the checks compared.
-        checks (`dict`): `check_fits` `[replicas, K]` and `check_losses` `[replicas, 2]`.
+        checks (`dict`): `check_fits` `[replicas, K]`, `check_losses` `[replicas, 2]` and, optionally,
+            `check_decoder` `[replicas, 1]` (1: the decoder inputs are those built from the labels, 0: they differ).
         reduce_sum (`Callable`, *optional*): sums a tensor over the DDP ranks.
     """
     fits, losses = checks["check_fits"].detach().double(), checks["check_losses"].detach().double()
+    decoder = checks.get("check_decoder")
+    # Replicas whose model built other decoder inputs; always a vote, so that every rank sums as many.
+    other_decoder = fits.new_zeros(1) if decoder is None else (decoder.detach() == 0).to(fits).sum().reshape(1)
     compared = ~torch.isnan(fits).any(-1)
     votes = torch.cat(
         [
@@ -175,20 +203,22 @@ def decide(
             compared.double().sum().reshape(1),
             losses.nan_to_num(0.0).sum(0),
             (~torch.isnan(losses[:, 0])).double().sum().reshape(1),
+            other_decoder,
         ]
     )
     if reduce_sum is not None:
         votes = reduce_sum(votes)
     k = len(candidates)
     fit, miss, comparisons = votes[:k], votes[k : 2 * k], float(votes[2 * k])
-    seen = max(float(votes[-1]), 1.0)
+    seen = max(float(votes[2 * k + 3]), 1.0)
     model_value, head_value = float(votes[2 * k + 1]) / seen, float(votes[2 * k + 2]) / seen
+    differs = float(votes[2 * k + 4]) > 0
     if comparisons == 0:
-        return Verdict(0, False, model_value, head_value)
+        return Verdict(0, False, model_value, head_value, differs)
     fitting = [i for i in range(k) if miss[i] == 0 and fit[i] > 0]
     if not fitting:
-        return Verdict(None, True, model_value, head_value)
-    return Verdict(fitting[0], len(fitting) == 1, model_value, head_value)
+        return Verdict(None, True, model_value, head_value, differs)
+    return Verdict(fitting[0], len(fitting) == 1, model_value, head_value, differs)
 
 
 def _names(candidates: tuple[LossHead, ...]) -> str:
@@ -215,3 +245,92 @@ def undecided_reason(model, candidates: tuple[LossHead, ...], verdict: Verdict, 
         f"tell the heads {_names(candidates)} apart (several were within the tolerance, or no batch had items); "
         f"keeping {candidates[0].name}."
     )
+
+
+class SelfCheck:
+    """
+    The check's methods of `ExactLoss`, which holds the state they use: `_checks` (per cached head, the forwards that
+    checked it, -1 once decided), `_decoder_watch` (during a checked forward), `_heads`, `_counted`, and its methods
+    `_key`, `_sample_terms`, `count_step`, `unwrap`, `warn_fallback`, `warn_once`.
+    """
+
+    def pending_check(
+        self, head: LossHead | None, model: nn.Module, inputs: dict, loss_func: Callable | None = None
+    ) -> tuple[LossHead, ...] | None:
+        """
+        The candidate heads to compare with the model's own loss in the forward of `inputs` (the model then gets the
+        labels), or None: decided already, a user loss (its own judge), or padding rows the model's loss would count.
+        `head` is what `head(model)` returned; `loss_func` the Trainer's `compute_loss_func`.
+        """
+        if head is None or loss_func is not None or REAL_ROWS_KEY in inputs:
+            return None
+        return candidate_heads(head) if self._checks.get(self._key(model, None), 0) >= 0 else None
+
+    @contextlib.contextmanager
+    def watching_decoder(
+        self, candidates: tuple[LossHead, ...] | None, model: nn.Module, inputs: dict
+    ) -> Iterator[DecoderInputsWatch | None]:
+        """
+        Around the checked forward of `inputs` (`candidates` from `pending_check`; None: no check, nothing to do):
+        records the decoder inputs the model builds itself, for `check_terms` to compare with those `split_labels`
+        builds from the labels, when it builds any (`needs_decoder_inputs`).
+        """
+        watch = None
+        if candidates is not None and needs_decoder_inputs(candidates[0], inputs):
+            watch = watch_decoder(self.unwrap(model))
+        self._decoder_watch = watch
+        try:
+            yield watch
+        finally:
+            self._decoder_watch = None
+            if watch is not None:
+                watch.remove()
+
+    def check_terms(self, candidates: tuple[LossHead, ...], outputs, labels: dict, inputs: dict, terms: dict) -> dict:
+        """
+        In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs`, and
+        `check_decoder` `[1, 1]`: whether the model built the decoder inputs `split_labels` builds (NaN: not known).
+        """
+        known = {candidates[0]: (terms["sums"], terms["counts"])}
+        check = replica_check(
+            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known
+        )
+        watch = self._decoder_watch
+        unknown = check["check_fits"].new_full((1, 1), torch.nan)
+        check["check_decoder"] = watch.matches(labels["labels"]) if watch is not None else unknown
+        return check
+
+    def settle(
+        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: dict, step: StepCounts | None
+    ) -> LossHead | None:
+        """
+        Decide from the gathered `check_terms` of every replica and rank: the head to compute this micro-batch's loss
+        with (its terms moved to `sums`/`counts`, the step recounted when it changed; with the labels kept in the
+        forward from the next one where the model built other decoder inputs), or None for the stock loss (warned
+        once, naming the model and both losses). The choice is cached for `model`.
+        """
+        verdict = decide(candidates, terms, self.reduce_sum if self.num_processes > 1 else None)
+        key = self._key(model, None)
+        checks = self._checks.get(key, 0) + 1
+        self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
+        if verdict.index is None:
+            self._heads[key] = (model, None)
+            self.warn_fallback(mismatch_reason(model, candidates, verdict))
+            return None
+        if not verdict.final and checks >= MAX_CHECKS:
+            self.warn_once(undecided_reason(model, candidates, verdict, checks))
+        head = candidates[verdict.index]
+        if verdict.index > 0:
+            terms["sums"], terms["counts"] = terms[f"sums_{verdict.index}"], terms[f"counts_{verdict.index}"]
+        why = "own loss is that of"
+        if verdict.decoder_differs and head.builds_decoder_inputs:
+            # This micro-batch is right already: its forward had the labels, its terms come from its own logits.
+            head, why = keeping_labels_in_forward(head), "forward builds other decoder inputs than its labels give:"
+        if head is not candidates[0]:
+            self._heads[key] = (model, head)
+            logger.info(f"exact_loss: {type(self.unwrap(model)).__name__}'s {why} {head}; using it.")
+            counted = self._counted
+            if step is not None and counted is not None and counted[0] is step:
+                # Counted with the head the check replaced: count again (every rank does, as all decided alike).
+                step.counts.copy_(self.count_step(head, *counted[1:]).counts)
+        return head
