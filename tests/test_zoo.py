@@ -29,7 +29,6 @@ from hf_parallel.exact import CrossEntropyHead
 from hf_parallel.exact.decoder import LabelsInForwardHead, decoder_input_ids, watch_decoder
 from hf_parallel.exact.resolve import resolve_head
 from hf_parallel.exact.selfcheck import candidate_heads, decide
-from hf_parallel.testing.emulation import Emulation
 from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
 from tests.heads import CASES, Case, lm_rows, seq2seq_rows
 from tests.tiny import VOCAB
@@ -339,27 +338,9 @@ def _trained_head(result: dict):
     return trainer.exact.head(trainer.model)
 
 
-@pytest.fixture
-def scatter_copies(monkeypatch):
-    """
-    Each device's rows a copy, as torch's scatter gives them on GPUs (all but the first device's, which are a view of
-    the batch where it lies already). The emulation hands out views of one tensor, which share its version counter:
-    FSMT's forward fills its input_ids in place (`masked_fill_`), so one replica's thread bumps the version of the ids
-    another one's embedding saved, and that backward fails now and then ("modified by an inplace operation").
-    Remove once the emulation copies them itself.
-    """
-    scatter = Emulation.scatter
-
-    def copying_scatter(self, *args):
-        first, *others = scatter(self, *args)
-        return [first, *(piece.clone() for piece in others)]
-
-    monkeypatch.setattr(Emulation, "scatter", copying_scatter)
-
-
 @pytest.mark.parametrize("evaluate_first", [True, False], ids=["checked in evaluation", "checked in training"])
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=[t.name for t in TOPOLOGIES])
-def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, hf_parallel_log, scatter_copies):
+def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, hf_parallel_log):
     # Checked in training, the check is the first micro-batch (with the labels): the later ones switch.
     loss, grads = fsmt_reference(FSMT)
     result = run_case(FSMT, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)

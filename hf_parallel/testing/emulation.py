@@ -10,7 +10,8 @@ backwards (so a parameter a replica did not use gets a **zero** gradient from `B
 Only what touches a CUDA device is replaced, each by the same operation on the CPU:
 
 - the C++ copies `torch._C._broadcast_coalesced` (the source tensors for the first device, detached copies for the
-  others), `torch._C._scatter` (split or chunk, contiguous pieces) and `torch._C._gather` (concatenation);
+  others), `torch._C._scatter` (split or chunk: a view for the first device, copies for the others) and
+  `torch._C._gather` (concatenation);
 - `comm.reduce_add`, whose only CPU-capable branch is not reachable with CPU tensors (a plain sum);
 - the "not implemented for CPU tensors" checks at the top of `Broadcast.forward` and `Gather.forward` (the rest of
   both is done here as torch does it);
@@ -99,7 +100,9 @@ class Emulation:
     def scatter(self, tensor, devices, chunk_sizes, dim, streams):
         pieces = tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None else tensor.chunk(len(devices), dim)
         self.chunk_sizes.append([piece.size(dim) for piece in pieces])
-        return [piece.contiguous() for piece in pieces]
+        # As on GPUs: the piece for the source device is a view of the tensor, every other device gets its own copy
+        # (views would share one version counter, so an in-place op in one replica would break another's backward).
+        return [pieces[0].contiguous(), *(piece.clone(memory_format=torch.contiguous_format) for piece in pieces[1:])]
 
     def gather(self, tensors, dim, destination):
         with torch.autocast("cpu", enabled=False):  # a copy into one buffer, not an op autocast may recast
