@@ -139,15 +139,16 @@ def test_stock_trains_the_unshifted_decoder_on_another_loss():
     assert result["loss"] != pytest.approx(loss, rel=1e-3)
 
 
-@pytest.mark.slow
-def test_ddp_ranks_agree_on_the_head_and_stay_exact(tmp_path):
+def assert_ddp_exact(case: Case, expected: tuple[float, dict], tmp_path) -> None:
+    """`case` on 2 DDP ranks, its head checked in training and in evaluation: exact against `expected` (the model's
+    own loss and gradient on all rows), wrapped in DDP, ranks equal."""
     topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
     runs = {
-        "checked in training": (BART_DECODER, topology, False, {"evaluate_first": False, "eval_rows": 0}),
-        "checked in evaluation": (BART_DECODER, topology, False, {}),
+        "checked in training": (case, topology, False, {"evaluate_first": False, "eval_rows": 0}),
+        "checked in evaluation": (case, topology, False, {}),
     }
     results = run_ddp_runs(runs, tmp_path)
-    loss, grads = reference(BART_DECODER)
+    loss, grads = expected
     for name, result in results.items():
         assert result["world_size"] == 2, name
         assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
@@ -155,6 +156,11 @@ def test_ddp_ranks_agree_on_the_head_and_stay_exact(tmp_path):
         assert result["loss"] == pytest.approx(loss, rel=TOL), name
         assert max_relative_diff(result["grads"], grads) < TOL, name
         assert result["max_rank_param_diff"] == 0.0, name
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_the_head_and_stay_exact(tmp_path):
+    assert_ddp_exact(BART_DECODER, reference(BART_DECODER), tmp_path)
 
 
 # ---- The decisions of the check --------------------------------------------------------------------------------
@@ -354,20 +360,7 @@ def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, 
 
 @pytest.mark.slow
 def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(tmp_path):
-    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-    runs = {
-        "checked in training": (FSMT, topology, False, {"evaluate_first": False, "eval_rows": 0}),
-        "checked in evaluation": (FSMT, topology, False, {}),
-    }
-    results = run_ddp_runs(runs, tmp_path)
-    loss, grads = fsmt_reference(FSMT)
-    for name, result in results.items():
-        assert result["world_size"] == 2, name
-        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
-        assert result["wrapped"] == "DistributedDataParallel", name
-        assert result["loss"] == pytest.approx(loss, rel=TOL), name
-        assert max_relative_diff(result["grads"], grads) < TOL, name
-        assert result["max_rank_param_diff"] == 0.0, name
+    assert_ddp_exact(FSMT, fsmt_reference(FSMT), tmp_path)
 
 
 def test_fsmt_keeps_the_label_smoothing_of_its_head():
