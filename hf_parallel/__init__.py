@@ -30,6 +30,8 @@ _EXPORTS = {
     "shard_batches": "inference",
     "POOLING_METHODS": "inference",
     "release_distributed": "teardown",
+    "ExactLoop": "loop",
+    "LoopStep": "loop",
 }
 
 __all__ = [
@@ -53,6 +55,8 @@ __all__ = [
     "shard_batches",
     "POOLING_METHODS",
     "release_distributed",
+    "ExactLoop",
+    "LoopStep",
     "__version__",
 ]
 
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from .checkpoints import load_state_dict
     from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+    from .loop import ExactLoop, LoopStep
     from .teardown import release_distributed
     from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin
     from .training_args import Seq2SeqTrainingArguments, TrainingArguments

@@ -16,18 +16,11 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
-from .exact import REAL_ROWS_KEY, ExactLoss, LossHead, StepCounts, pull_batches
+from .exact import ExactLoss, LossHead, StepCounts, pull_batches
 from .exact.fallback import stock_compute_loss, stock_training_step
-from .exact.replicas import (
-    is_data_parallel,
-    outputs_device,
-    replica_autocast,
-    replica_step,
-    replicating,
-    run_in_replicas,
-    takes_use_cache,
-    without_cache,
-)
+from .exact.forward import micro_batch_loss, uses_model_loss
+from .exact.remainder import epoch_end
+from .exact.replicas import is_data_parallel, replica_autocast, replica_step, replicating
 from .exact.streams import count_samples, gather_samples
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
@@ -163,19 +156,21 @@ class TrainerMixin:
             with self._replica_precision(model):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
-        # The first forward of a head keeps the labels, so the model computes its own loss to judge the head by.
-        check = self.exact.pending_check(head, self.model, inputs, self.compute_loss_func)
-        inputs, labels = self.exact.split_labels(head, inputs, model, build_decoder_inputs=check is None)
-        with self.exact.watching_decoder(check, model, inputs):  # which decoder inputs the model builds itself
-            terms, outputs = self._loss_terms(model, head, inputs, labels, step, return_outputs, check)
-        if check is not None:
-            head = self.exact.settle(check, self.model, terms, step)
-        if head is None:
-            # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss
-            # of the following steps; training_step counts this step as exact, so divide by the accumulation here.
-            loss = terms["model_loss"].mean() / (self.current_gradient_accumulation_steps if step is not None else 1)
-        else:
-            loss = self.exact.reduce(head, terms, step)
+        if step is None and self.exact.evaluating:
+            inputs = self._mark_evaluation_padding(head, inputs)
+        loss, outputs = micro_batch_loss(
+            self.exact,
+            model,
+            head,
+            inputs,
+            step,
+            owner=self.model,
+            loss_func=self.compute_loss_func,
+            return_outputs=return_outputs,
+            autocast_dtype=replica_autocast(self.accelerator.mixed_precision),
+            main_input_name=self._main_input_name(),
+            accumulation_steps=getattr(self, "current_gradient_accumulation_steps", 1) if step is not None else 1,
+        )
         if not return_outputs:
             return loss
         if outputs is None:
@@ -184,40 +179,18 @@ class TrainerMixin:
             outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
         return loss, outputs
 
-    def _loss_terms(self, model, head: LossHead, inputs: dict, labels: dict, step, return_outputs: bool, check=None):
+    def _mark_evaluation_padding(self, head: LossHead, inputs: dict) -> dict:
         """
-        The loss terms of one forward (see `ExactLoss.terms`) and its outputs when asked for. Under DataParallel each
-        replica computes its own rows' terms, so only those travel to GPU 0, and the outputs (logits) only when
-        wanted (not for training, not for evaluation with `prediction_loss_only`). With `check` (candidate heads,
-        `ExactLoss.pending_check`) the model also gets the labels, and each replica compares its own loss with theirs.
+        The last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding, for a head
+        that takes the model's own loss (one sum per forward, so gathering cannot drop them afterwards).
         """
-        loss_func = self.compute_loss_func
-        total = None
-        if loss_func is not None:
-            total = self.exact.user_loss_total(head, labels, step, inputs, self._main_input_name())
-        data_parallel = is_data_parallel(model)
-        keep = return_outputs and (self.exact.outputs_wanted or not data_parallel)
-        # The model gets the labels for the check, and always where it builds its decoder inputs itself.
-        with_labels = check is not None or getattr(head, "labels_in_forward", False)
-
-        def forward(run, inputs: dict, labels: dict):
-            if with_labels:
-                outputs = run(**inputs, **{key: value for key, value in labels.items() if key != REAL_ROWS_KEY})
-            else:
-                outputs = run(**inputs)
-            here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
-            terms = self.exact.terms(head, outputs, labels, inputs, loss_func=loss_func, total=here)
-            if check is not None:
-                terms.update(self.exact.check_terms(check, outputs, labels, inputs, terms))
-            if not keep:
-                return terms, None
-            return terms, (without_cache(outputs) if data_parallel else outputs)
-
-        if not data_parallel:
-            return forward(model, inputs, labels)
-        if not keep and "use_cache" not in inputs and takes_use_cache(model.module):
-            inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
-        return run_in_replicas(model, forward, inputs, labels, replica_autocast(self.accelerator.mixed_precision))
+        if not uses_model_loss(head) or self.accelerator.num_processes == 1:
+            return inputs
+        inputs = dict(inputs)
+        pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
+        end = epoch_end(self.accelerator.gradient_state)
+        self.exact.mark_padding(head, [inputs], end, self.accelerator.process_index, pads)
+        return inputs
 
     def _replica_precision(self, model: nn.Module):
         """For the stock loss under DataParallel: the requested mixed precision in every replica (see

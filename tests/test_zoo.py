@@ -194,8 +194,9 @@ def test_decide(fits, index, final):
 
 def test_decide_sums_the_votes_of_every_rank():
     # This rank's replica fits the chosen head; another rank's does not, and fits the other: every rank switches.
-    # [fit k, miss k, comparisons, loss sums, losses seen, replicas with other decoder inputs]
-    other_rank = torch.zeros(9, dtype=torch.float64)
+    # [fit k, miss k, comparisons, loss sums, losses seen, replicas with other decoder inputs, replicas whose loss
+    # honoured the count given, replicas whose loss ignored it]
+    other_rank = torch.zeros(11, dtype=torch.float64)
     other_rank[1], other_rank[2], other_rank[4] = 1.0, 1.0, 1.0  # fit of 1, miss of 0, one comparison
     verdict = decide(CANDIDATES, _checks([1, 0]), reduce_sum=lambda votes: votes + other_rank)
     assert verdict.index is None  # the chosen head missed on one rank, the other on another: no head fits all
@@ -206,8 +207,8 @@ def test_decide_sums_the_votes_of_every_rank():
 def test_decide_switches_on_other_decoder_inputs_on_any_rank():
     checks = {**_checks([1, 0]), "check_decoder": torch.tensor([[1.0], [NAN]])}
     assert not decide(CANDIDATES, checks).decoder_differs  # the same inputs, or not known: no switch
-    another_rank_differs = torch.zeros(9, dtype=torch.float64)
-    another_rank_differs[-1] = 1.0
+    another_rank_differs = torch.zeros(11, dtype=torch.float64)
+    another_rank_differs[8] = 1.0
     verdict = decide(CANDIDATES, checks, reduce_sum=lambda votes: votes + another_rank_differs)
     assert verdict.decoder_differs and (verdict.index, verdict.final) == (0, True)
 

@@ -33,11 +33,23 @@ from .counts import EvalTotals, StepCounts, sequence_length
 from .decoder import decoder_input_ids, needs_decoder_inputs
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead
-from .remainder import REAL_ROWS_KEY, EpochEnd, first_rows, packed_sample_ids, real_rows, row_mask, samples_in
+from .remainder import (
+    REAL_ROWS_KEY,
+    EpochEnd,
+    first_rows,
+    mask_padding,
+    packed_sample_ids,
+    real_rows,
+    row_mask,
+    samples_in,
+)
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .selfcheck import SelfCheck
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
+
+# The cross-entropy targets a padding row is masked in.
+_TARGET_KEYS = ("labels", "shift_labels")
 
 logger = logging.get_logger("hf_parallel.trainer")
 
@@ -228,10 +240,11 @@ class ExactLoss(SelfCheck):
             return head.count(batch, seq_len)
         # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
         sample_ids = ExactLoss._sample_ids(head, batch)
-        if sample_ids is None:
-            return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
-        (target,) = head.targets(batch, seq_len)
-        return (head.valid(target, seq_len)[0] & sample_ids.lt(real).to(target.device)).sum().reshape(1)
+        if isinstance(head, CrossEntropyHead):
+            # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
+            # labels counts as this does.
+            return head.count(mask_padding(batch, _TARGET_KEYS, real, sample_ids), seq_len)
+        return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
 
     def split_labels(
         self, head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True
@@ -244,7 +257,10 @@ class ExactLoss(SelfCheck):
         inputs = dict(inputs)  # the caller's dict keeps its labels
         labels = head.pop_labels(inputs)
         if REAL_ROWS_KEY in inputs:
-            labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
+            real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
+            if isinstance(head, CrossEntropyHead):
+                # Padding rows ignored in the targets themselves: also for a model that gets its labels.
+                labels = mask_padding(labels, _TARGET_KEYS, real, self._sample_ids(head, inputs))
         if build_decoder_inputs and needs_decoder_inputs(head, inputs):
             # The model builds decoder inputs from the labels it no longer receives.
             inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
@@ -273,6 +289,24 @@ class ExactLoss(SelfCheck):
     ) -> torch.Tensor:
         """The item count a user loss (`compute_loss_func`) divides by: the step's, or the batch's in evaluation."""
         return step.total() if step is not None else head.count(labels, sequence_length(inputs, main_input_name)).sum()
+
+    def model_terms(
+        self, head: LossHead, outputs, labels: dict, seq_len: int | None, count: torch.Tensor | int
+    ) -> dict[str, torch.Tensor]:
+        """
+        The terms of a forward whose loss is the model's own, given `count` as `num_items_in_batch` (see
+        `hf_parallel.exact.forward`): `{"sums": [[S]], "counts": [[C]]}`, S = loss x count, C counted from the labels.
+        """
+        loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if outputs else None)
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(
+                f"exact_loss: the {head.name} loss is taken from the model, given its labels, but its forward "
+                f"returned no loss ({type(outputs).__name__}). Return the loss when labels are given, or set "
+                "exact_loss=False."
+            )
+        targets = {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
+        sums = (loss.float() * (count.detach() if torch.is_tensor(count) else count)).reshape(1, 1)
+        return {"sums": sums, "counts": head.count(targets, seq_len).to(sums.device).reshape(1, -1)}
 
     def terms(
         self,
@@ -308,9 +342,21 @@ class ExactLoss(SelfCheck):
         if step is not None:
             return head.combine(row_sums.sum(0), step.counts) * step.scale
         if self._eval_totals is not None:
-            # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
-            self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
+            if getattr(head, "uses_model_loss", False):
+                # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
+                self._eval_totals.add(head, *self._sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
+            else:
+                # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
+                self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
         return head.combine(row_sums.sum(0), row_counts.sum(0))
+
+    def _sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""
+        if self.num_processes == 1:
+            return sums.reshape(1, -1), counts.reshape(1, -1)
+        both = self.reduce_sum(torch.cat([sums.double(), counts.to(sums.device).double()]))
+        terms = sums.numel()
+        return both[:terms].reshape(1, -1), both[terms:].round().long().reshape(1, -1)
 
     def _sample_terms(self, head, outputs, labels, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """
@@ -340,6 +386,11 @@ class ExactLoss(SelfCheck):
         return sums.unsqueeze(-1), counts.unsqueeze(-1)
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----
+    @property
+    def evaluating(self) -> bool:
+        """Whether an evaluation is adding up its totals (between `start_evaluation` and `finish_evaluation`)."""
+        return self._eval_totals is not None
+
     def start_evaluation(self, keep_outputs: bool = True) -> None:
         """Start adding up S and C of every evaluation batch; `keep_outputs=False` when only the loss is wanted."""
         self._eval_totals = EvalTotals() if self.enabled else None

@@ -25,12 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .heads import IGNORE_INDEX
 from .streams import stream_remainder
 
 __all__ = [
     "REAL_ROWS_KEY",
     "EpochEnd",
+    "epoch_end",
     "first_rows",
+    "mask_padding",
     "packed_sample_ids",
     "pull_batches",
     "real_rows",
@@ -64,10 +67,16 @@ def pull_batches(epoch_iterator, num_batches: int, gradient_state) -> tuple[list
             batches.append(next(epoch_iterator))
         except StopIteration:
             break
-        if gradient_state.end_of_dataloader:
-            counted = stream_remainder(gradient_state)
-            end = EpochEnd(gradient_state.remainder, False) if counted is None else EpochEnd(counted, True)
+        end = epoch_end(gradient_state) or end
     return batches, end
+
+
+def epoch_end(gradient_state) -> EpochEnd | None:
+    """Whether the batch accelerate's active dataloader gave last ends its epoch, and how much of it is real."""
+    if not gradient_state.end_of_dataloader:
+        return None
+    counted = stream_remainder(gradient_state)
+    return EpochEnd(gradient_state.remainder, False) if counted is None else EpochEnd(counted, True)
 
 
 def real_rows(rows: int, remainder: int, process_index: int) -> int | None:
@@ -90,6 +99,26 @@ def real_rows(rows: int, remainder: int, process_index: int) -> int | None:
 def first_rows(batch: dict, keys: tuple[str, ...], count: int) -> dict:
     """The entries `keys` of `batch` (those present), cut to their first `count` rows."""
     return {key: batch[key][:count] for key in keys if key in batch}
+
+
+def mask_padding(labels: dict, keys: tuple[str, ...], real: int, sample_ids: torch.Tensor | None) -> dict:
+    """
+    `labels` with the targets of every padding sample set to the ignore index (-100): the rows from `real` on, or
+    the positions of a packed row whose sample index (`sample_ids`) is `real` or more. Only `keys` are masked (the
+    cross-entropy targets: `labels`, `shift_labels`); the tensors are copies.
+    """
+    masked = dict(labels)
+    for key in keys:
+        target = labels.get(key)
+        if not torch.is_tensor(target):
+            continue
+        if sample_ids is None:
+            padding = row_mask(target.shape[0], real, target.device).logical_not()
+            padding = padding.reshape(-1, *([1] * (target.dim() - 1)))
+        else:
+            padding = sample_ids.to(target.device).ge(real).reshape(target.shape)
+        masked[key] = target.masked_fill(padding, IGNORE_INDEX)
+    return masked
 
 
 def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:

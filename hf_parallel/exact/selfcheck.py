@@ -24,6 +24,12 @@ model builds itself with those the later forwards get, built from the labels (`h
 they differ on a replica of any rank, the head keeps the labels in the forward from then on (`LabelsInForwardHead`).
 `SelfCheck` holds the check's methods of `ExactLoss`.
 
+The same forward tells whether the model's loss honours `num_items_in_batch`, where it may be given one
+(`hf_parallel.exact.forward`): it is then given C + 1/2 (C its items). A loss that divides its sum by that is S / N:
+with logits, S is a candidate's sum; without (a fused loss), its gradient with respect to the count is -S / N^2. Where
+every replica and rank that could tell says it honours the count, the head takes the model's own loss from then on
+(`with_model_loss`); a forward without logits whose loss ignores the count cannot be made exact (the stock loss).
+
 ```python
 from hf_parallel.exact.selfcheck import candidate_heads, decide, replica_check
 
@@ -59,6 +65,7 @@ __all__ = [
     "decide",
     "replica_check",
     "tolerance",
+    "with_model_loss",
 ]
 
 logger = logging.get_logger("hf_parallel.trainer")
@@ -107,57 +114,105 @@ def model_loss(outputs) -> torch.Tensor | None:
     return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
+def with_model_loss(head: LossHead) -> LossHead:
+    """`head`, taking the model's own loss (given its labels and the step's count) instead of recomputing it."""
+    own = copy.copy(head)
+    own.uses_model_loss = True
+    own.name = f"{head.name}/model_loss"
+    return own
+
+
 def replica_check(
     candidates: tuple[LossHead, ...],
     outputs,
     sample_terms: Callable[[LossHead], tuple[torch.Tensor, torch.Tensor]],
     known: dict[LossHead, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    count: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """
     What one forward (one DataParallel replica's rows) says about the candidates: `check_fits` `[1, K]`, 1 where
     candidate k is within `tolerance` of the model's loss, 0 where it is not, NaN where the comparison is not possible
-    (no model loss, a term without items, whose mean is NaN); `check_losses` `[1, 2]`, the model's loss and the first
-    candidate's, for the warning; `model_loss` `[1]`, the model's loss itself (with its graph: the stock loss of this
-    forward if no candidate fits); `sums_k` and `counts_k`, the terms of candidate k > 0, in case it is chosen.
-    `[1, ...]`, not 0-dim, so that DataParallel gathers one row per replica; the same keys from every replica.
+    (no model loss, no logits, a term without items, whose mean is NaN); `check_losses` `[1, 2]`, the model's loss and
+    the first candidate's, for the warning (means); `check_honours` `[1, 1]`, 1 where the loss divided its sum by
+    `count`, 0 where it did not, NaN where not known or no `count` was given; `model_loss` `[1]`, the model's loss as
+    the mean of its items (with its graph: the stock loss of this forward if no candidate fits); `sums_k` and
+    `counts_k`, the terms of candidate k > 0, in case it is chosen. `[1, ...]`, not 0-dim, so that DataParallel
+    gathers one row per replica; the same keys from every replica.
 
     Args:
         candidates (`tuple[LossHead, ...]`): from `candidate_heads`.
         outputs (`ModelOutput`): the forward's outputs, computed with the labels.
         sample_terms (`Callable`): `[samples, terms]` loss sums and item counts of a head on these outputs.
         known (`dict`, *optional*): terms computed already, by their head.
+        count (`torch.Tensor`, *optional*): the `num_items_in_batch` the model was given (no whole number).
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
+    # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
+    has_logits = count is None or not isinstance(outputs, dict) or torch.is_tensor(outputs.get("logits"))
 
     def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
         if head not in computed:
             computed[head] = sample_terms(head)
         return computed[head]
 
+    first = terms_of(candidates[0])
     check = {}
     for k, candidate in enumerate(candidates[1:], 1):
-        check[f"sums_{k}"], check[f"counts_{k}"] = terms_of(candidate)
-    device = terms_of(candidates[0])[0].device
+        # Without logits no other candidate can be computed (nor chosen: it cannot fit); same keys all the same.
+        check[f"sums_{k}"], check[f"counts_{k}"] = terms_of(candidate) if has_logits else first
+    device = first[0].device
     loss = model_loss(outputs)
     fits = torch.full((1, len(candidates)), float("nan"), device=device)
     losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
-    check.update(check_fits=fits, check_losses=losses)
+    honours = torch.full((1, 1), float("nan"), device=device)
+    check.update(check_fits=fits, check_losses=losses, check_honours=honours)
     if loss is None:
         return {**check, "model_loss": torch.zeros(1, device=device)}
+    n = float(count.detach()) if count is not None else None
     reference = loss.detach().double()
-    losses[0, 0] = reference
+    if not has_logits:
+        honours[0, 0] = _honours_by_gradient(loss, count)
+        mean = loss * (n / max(int(first[1].sum()), 1)) if n is not None and honours[0, 0] == 1 else loss
+        losses[0, 0] = mean.detach().double()
+        return {**check, "model_loss": mean.reshape(1)}
+    divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
     for k, candidate in enumerate(candidates):
         sums, counts = terms_of(compared_head(candidate))
-        sums, counts = sums.detach().sum(0), counts.sum(0)
-        value = candidate.combine(sums.double(), counts)
+        sums, counts = sums.detach().sum(0).double(), counts.sum(0)
+        value = candidate.combine(sums, counts)
         if k == 0:
             losses[0, 1] = value
         if bool(counts.eq(0).any()) or not bool(torch.isfinite(reference)):
             continue
         bound = tolerance(loss.dtype) * reference.abs() + 1e-7
-        fits[0, k] = float((value - reference).abs() <= bound)
-    return {**check, "model_loss": loss.reshape(1)}
+        as_mean = bool((value - reference).abs() <= bound)
+        # Only per-position cross-entropies are given a count: one term, its sum / N.
+        as_sum = n is not None and bool((sums.sum() / n - reference).abs() <= bound)
+        fits[0, k] = float(as_mean or as_sum)
+        if as_sum or as_mean:
+            divided.append(as_sum)
+    if n is not None and divided:
+        honours[0, 0] = float(all(divided))
+    mean = loss
+    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
+        mean = loss * (n / max(int(first[1].sum()), 1))
+    losses[0, 0] = mean.detach().double()
+    return {**check, "model_loss": mean.reshape(1)}
+
+
+def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> float:
+    """
+    Whether `loss` is a sum divided by `count`, from its gradient with respect to it: d(S / N)/dN = -(S / N) / N. 1 or
+    0; NaN without a graph to ask (evaluation) or a count. Only the path from the loss to the count is walked.
+    """
+    if count is None or not (loss.requires_grad and count.requires_grad):
+        return float("nan")
+    (gradient,) = torch.autograd.grad(loss, count, retain_graph=True, allow_unused=True)
+    if gradient is None:
+        return 0.0
+    expected = -loss.detach().double() / float(count.detach())
+    return float(bool((gradient.double() - expected).abs() <= _TOLERANCE[torch.float32] * expected.abs() + 1e-12))
 
 
 @dataclass(frozen=True)
@@ -166,7 +221,8 @@ class Verdict:
     What the votes decided: `index` of the candidate to use (None: no candidate fits, the stock loss), whether the
     decision is `final` (False: the check runs again at the next forward), the mean `model_loss` and `head_loss` (of
     the first candidate) over the comparisons, for the warning, and whether the model built other decoder inputs
-    than those built from its labels on a replica of any rank (`decoder_differs`).
+    than those built from its labels on a replica of any rank (`decoder_differs`), and whether its loss divided by the
+    count it was given on every replica that could tell, and on one at least (`honours_count`).
     """
 
     index: int | None
@@ -174,6 +230,7 @@ class Verdict:
     model_loss: float
     head_loss: float
     decoder_differs: bool = False
+    honours_count: bool = False
 
 
 def decide(
@@ -193,6 +250,8 @@ def decide(
     """
     fits, losses = checks["check_fits"].detach().double(), checks["check_losses"].detach().double()
     decoder = checks.get("check_decoder")
+    honours = checks.get("check_honours")
+    honours = fits.new_full((fits.shape[0], 1), float("nan")) if honours is None else honours.detach().double()
     # Replicas whose model built other decoder inputs; always a vote, so that every rank sums as many.
     other_decoder = fits.new_zeros(1) if decoder is None else (decoder.detach() == 0).to(fits).sum().reshape(1)
     compared = ~torch.isnan(fits).any(-1)
@@ -204,6 +263,8 @@ def decide(
             losses.nan_to_num(0.0).sum(0),
             (~torch.isnan(losses[:, 0])).double().sum().reshape(1),
             other_decoder,
+            (honours == 1).double().sum().reshape(1),
+            (honours == 0).double().sum().reshape(1),
         ]
     )
     if reduce_sum is not None:
@@ -213,12 +274,17 @@ def decide(
     seen = max(float(votes[2 * k + 3]), 1.0)
     model_value, head_value = float(votes[2 * k + 1]) / seen, float(votes[2 * k + 2]) / seen
     differs = float(votes[2 * k + 4]) > 0
+    honoured, ignored = float(votes[2 * k + 5]), float(votes[2 * k + 6])
+    native = honoured > 0 and ignored == 0
     if comparisons == 0:
+        if honoured + ignored > 0 and float(votes[2 * k + 3]) > 0:
+            # No logits to compare (a fused loss), but its gradient told: the model's own loss, or none exact.
+            return Verdict(0 if native else None, True, model_value, head_value, differs, native)
         return Verdict(0, False, model_value, head_value, differs)
     fitting = [i for i in range(k) if miss[i] == 0 and fit[i] > 0]
     if not fitting:
         return Verdict(None, True, model_value, head_value, differs)
-    return Verdict(fitting[0], len(fitting) == 1, model_value, head_value, differs)
+    return Verdict(fitting[0], len(fitting) == 1, model_value, head_value, differs, native)
 
 
 def _names(candidates: tuple[LossHead, ...]) -> str:
@@ -262,8 +328,10 @@ class SelfCheck:
         labels), or None: decided already, a user loss (its own judge), or padding rows the model's loss would count.
         `head` is what `head(model)` returned; `loss_func` the Trainer's `compute_loss_func`.
         """
-        if head is None or loss_func is not None or REAL_ROWS_KEY in inputs:
+        if head is None or loss_func is not None:
             return None
+        if REAL_ROWS_KEY in inputs and not isinstance(head, CrossEntropyHead):
+            return None  # the model's loss would count the padding rows (a cross-entropy's targets are masked)
         return candidate_heads(head) if self._checks.get(self._key(model, None), 0) >= 0 else None
 
     @contextlib.contextmanager
@@ -286,14 +354,23 @@ class SelfCheck:
             if watch is not None:
                 watch.remove()
 
-    def check_terms(self, candidates: tuple[LossHead, ...], outputs, labels: dict, inputs: dict, terms: dict) -> dict:
+    def check_terms(
+        self,
+        candidates: tuple[LossHead, ...],
+        outputs,
+        labels: dict,
+        inputs: dict,
+        terms: dict,
+        count: torch.Tensor | None = None,
+    ) -> dict:
         """
-        In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs`, and
-        `check_decoder` `[1, 1]`: whether the model built the decoder inputs `split_labels` builds (NaN: not known).
+        In the forward (in a DataParallel replica: for its rows), `replica_check` of `candidates` on `outputs` (given
+        `count` as `num_items_in_batch`, if any), and `check_decoder` `[1, 1]`: whether the model built the decoder
+        inputs `split_labels` builds (NaN: not known).
         """
         known = {candidates[0]: (terms["sums"], terms["counts"])}
         check = replica_check(
-            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known
+            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known, count
         )
         watch = self._decoder_watch
         unknown = check["check_fits"].new_full((1, 1), torch.nan)
@@ -326,6 +403,9 @@ class SelfCheck:
         if verdict.decoder_differs and head.builds_decoder_inputs:
             # This micro-batch is right already: its forward had the labels, its terms come from its own logits.
             head, why = keeping_labels_in_forward(head), "forward builds other decoder inputs than its labels give:"
+        if verdict.honours_count and verdict.final:
+            # Its loss divides by the count it is given: from now on it gets its labels and the step's count.
+            head, why = with_model_loss(head), "own loss honours num_items_in_batch; it is"
         if head is not candidates[0]:
             self._heads[key] = (model, head)
             logger.info(f"exact_loss: {type(self.unwrap(model)).__name__}'s {why} {head}; using it.")

@@ -1,0 +1,379 @@
+"""
+`ExactLoop`: the exact loss in a hand-written training loop (accelerate, `torchrun` + DDP, `nn.DataParallel`), with
+no Trainer.
+
+The canonical loop, `loss = model(**batch).loss` with `accelerator.accumulate` dividing by the accumulation steps,
+averages per-device, per-micro-batch means: under DDP the ranks' means are averaged, under gradient accumulation the
+micro-batches' means, under DataParallel the replicas'. Where the batches hold uneven numbers of items (valid tokens
+of a causal LM, the padded last batch of an epoch) that is not the loss of the whole step, nor its gradient. An
+`ExactLoop` hands out the micro-batches of one optimizer step at a time, counted before they run (all micro-batches,
+all ranks), and gives each one's share of the exact loss, S_m / C, to back-propagate:
+
+```python
+from hf_parallel import ExactLoop
+
+exact = ExactLoop(accelerator)                       # or ExactLoop() under torchrun / one process
+for step in exact.steps(train_dataloader):           # one optimizer step's micro-batches
+    for batch in step:
+        with accelerator.accumulate(model):
+            loss = step.loss(model, batch)           # instead of model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    print(step.logged_loss())                        # the step's loss, as one device computes it (every rank calls)
+eval_loss = exact.evaluate(model, eval_dataloader)   # sum of losses / sum of items over the set, duplicates left out
+```
+
+With an `Accelerator`, back-propagate with `accelerator.backward`: it divides by its `gradient_accumulation_steps`,
+which the loss given undoes. The rows a sampler repeats to fill the last batch of an epoch under DDP (accelerate's
+`even_batches`, `DistributedSampler`'s padding) are left out of the counts, the sums and the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from .exact import REAL_ROWS_KEY, ExactLoss, LossHead, StepCounts
+from .exact.forward import micro_batch_loss
+from .exact.remainder import EpochEnd, epoch_end
+from .exact.replicas import AUTOCAST_DTYPES, replica_autocast
+from .exact.streams import count_samples
+from .unwrap import unwrap_model
+from .validation import check_whole_number
+
+__all__ = ["ExactLoop", "LoopStep"]
+
+
+class ExactLoop:
+    """
+    Exact losses for a hand-written training loop: one object per run, made from the accelerator, or from the
+    default process group (`torchrun`) or none (one process, `nn.DataParallel`).
+
+    Args:
+        accelerator (`accelerate.Accelerator`, *optional*):
+            The loop's accelerator: its processes, gradient accumulation steps, mixed precision and dataloaders.
+        label_names (`list[str]`, *optional*):
+            The batch keys of the labels; the model's head's own when `None` (`labels`; QA: start/end positions).
+        label_smoothing (`float`, *optional*, defaults to 0):
+            Label smoothing epsilon, as `TrainingArguments.label_smoothing_factor`.
+        process_group (`ProcessGroup`, *optional*):
+            Without an accelerator: the DDP group (the default group when `torch.distributed` is initialised).
+
+    ```python
+    exact = ExactLoop()  # torchrun: the default process group
+    for step in exact.steps(loader, accumulation_steps=2, device=device):
+        for batch in step:
+            step.loss(ddp_model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ```
+    """
+
+    def __init__(self, accelerator=None, *, label_names=None, label_smoothing: float = 0.0, process_group=None):
+        self.accelerator = accelerator
+        self.group = process_group
+        if accelerator is not None:
+            processes = accelerator.num_processes if accelerator.distributed_type.value != "NO" else 1
+            self.process_index = accelerator.process_index
+            reduce_sum = _accelerate_sum(accelerator)
+            unwrap = accelerator.unwrap_model
+        else:
+            distributed = dist.is_available() and dist.is_initialized()
+            processes = dist.get_world_size(process_group) if distributed else 1
+            self.process_index = dist.get_rank(process_group) if distributed else 0
+            reduce_sum = self._all_reduce
+            unwrap = unwrap_model
+        self.num_processes = processes
+        self.exact = ExactLoss(
+            label_names=label_names,
+            label_smoothing=label_smoothing,
+            num_processes=processes,
+            reduce_sum=reduce_sum,
+            # Padding rows are masked before the forward here, so the evaluation adds rows over ranks, all of them.
+            gather_rows=lambda rows: tuple(self._sum_rows(part) for part in rows),
+            unwrap=unwrap,
+        )
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        summed = tensor.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        return summed
+
+    def _sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        total = rows.sum(0, keepdim=True)
+        if self.num_processes == 1:
+            return total
+        return self.exact.reduce_sum(total.double()).to(total.dtype)
+
+    @property
+    def backward_divides_by(self) -> int:
+        """What `accelerator.backward` divides a loss by (its accumulation steps); 1 without an accelerator."""
+        return self.accelerator.gradient_accumulation_steps if self.accelerator is not None else 1
+
+    # ---- Training ----
+    def steps(
+        self, dataloader, accumulation_steps: int | None = None, device: torch.device | str | None = None
+    ) -> Iterator[LoopStep]:
+        """
+        The optimizer steps of one pass over `dataloader`: each a `LoopStep` of `accumulation_steps` micro-batches (the
+        last one of the epoch possibly fewer), counted over every micro-batch and rank before any runs.
+
+        Args:
+            dataloader (`Iterable`): the training batches (dicts with their labels); accelerate-prepared or not.
+            accumulation_steps (`int`, *optional*): micro-batches per optimizer step; the accelerator's
+                `gradient_accumulation_steps`, or 1, when `None`.
+            device (`torch.device`, *optional*): where to move each batch (a dataloader accelerate prepared moves
+                them itself).
+        """
+        accumulation = accumulation_steps if accumulation_steps is not None else self.backward_divides_by
+        check_whole_number("accumulation_steps", accumulation, 1)
+        padding = self._padding(dataloader, "the training dataloader")
+        iterator = iter(dataloader)
+        while True:
+            batches, end = [], None
+            for _ in range(accumulation):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                batches.append(_to_device(batch, device))
+                if self.accelerator is not None:
+                    end = epoch_end(self.accelerator.gradient_state) or end
+            if not batches:
+                return
+            yield LoopStep(self, batches, accumulation, end, padding)
+
+    # ---- Evaluation ----
+    def evaluate(self, model: nn.Module, dataloader, device: torch.device | str | None = None) -> float:
+        """
+        The evaluation loss of `model` on `dataloader`: the sum of the per-item losses over the sum of the items, over
+        the whole set and every rank, each sample once (the repeats of a padded last batch left out). Runs the model in
+        evaluation mode without gradients, and puts it back in the mode it was in. Every rank calls it.
+        """
+        was_training = model.training
+        model.eval()
+        padding = self._padding(dataloader, "the evaluation dataloader")
+        stock: list[torch.Tensor] = []
+        self.exact.start_evaluation(keep_outputs=False)
+        try:
+            with torch.no_grad():
+                for batch in dataloader:
+                    batch = _to_device(batch, device)
+                    head = self.exact.head(model, batch)
+                    if head is None or not head.has_labels(batch):
+                        stock.append(model(**batch).loss.detach().float())  # the fallback: stock's mean of means
+                        continue
+                    end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
+                    batch = self._mark_padding(head, [dict(batch)], end, padding)[0]
+                    micro_batch_loss(self.exact, model, head, batch, None, autocast_dtype=self._autocast_dtype())
+        finally:
+            exact = self.exact.finish_evaluation()
+            model.train(was_training)
+        if exact is not None:
+            return exact
+        if not stock:
+            raise ValueError("ExactLoop.evaluate: the dataloader gave no batch; there is no loss to evaluate.")
+        mean = torch.stack(stock).mean()
+        return float(self.exact.reduce_sum(mean) / self.num_processes if self.num_processes > 1 else mean)
+
+    # ---- Shared ----
+    def _padding(self, dataloader, name: str) -> _SamplerPadding:
+        """Where `dataloader`'s padding samples will be told: a DistributedSampler's, or (accelerate) the samples of an
+        iterable dataset each rank reads itself, counted (`hf_parallel.exact.streams`; warned where they cannot be)."""
+        if self.accelerator is not None:
+            cannot = count_samples(dataloader, name)
+            if cannot is not None:
+                self.exact.warn_once(cannot)
+        return _SamplerPadding(dataloader, self.process_index, self.num_processes)
+
+    def _mark_padding(self, head: LossHead, batches: list[dict], end: EpochEnd | None, padding) -> list[dict]:
+        if self.accelerator is not None:
+            # accelerate fills the last global batch with rows from the epoch's start (even_batches), unless the
+            # dataloader drops it.
+            loader = self.accelerator.gradient_state.active_dataloader
+            pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
+            self.exact.mark_padding(head, batches, end, self.process_index, pads)
+        else:
+            padding.mark(head, batches)
+        return batches
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of DataParallel replicas: the accelerator's mixed precision, else the caller's."""
+        if self.accelerator is not None:
+            return replica_autocast(self.accelerator.mixed_precision)
+        for device_type in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+                return dtype if dtype in AUTOCAST_DTYPES.values() else None
+        return None
+
+
+class LoopStep:
+    """
+    One optimizer step of an `ExactLoop`: its micro-batches (iterate over them), each one's loss (`loss`) and the
+    step's loss to log (`logged_loss`). Made by `ExactLoop.steps`.
+    """
+
+    def __init__(self, loop: ExactLoop, batches: list[dict], accumulation: int, end: EpochEnd | None, padding):
+        self.loop = loop
+        self.batches = batches
+        self._accumulation = accumulation
+        self._ends_epoch = end is not None
+        self._done: list[torch.Tensor | None] = [None] * len(batches)
+        self._counts: StepCounts | None = None
+        self._end, self._padding = end, padding
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[dict]:
+        accelerator = self.loop.accelerator
+        for index, batch in enumerate(self.batches):
+            if accelerator is not None:
+                self._sync_at(index)
+            yield batch
+
+    def _sync_at(self, index: int) -> None:
+        """
+        Let `accelerator.accumulate` sync gradients (and step the optimizer) at this step's last micro-batch only.
+        Its own rule counts calls and syncs early at an epoch's end: all of an epoch's last micro-batches are pulled
+        before the first runs, so the dataloader already says it ended.
+        """
+        accelerator, last = self.loop.accelerator, index == len(self.batches) - 1
+        loader = accelerator.gradient_state.active_dataloader
+        if loader is not None and self._ends_epoch:
+            loader.end_of_dataloader = last
+        # accumulate() adds one, then syncs where the count is a multiple of its accumulation steps.
+        accelerator.step = accelerator.gradient_state.num_steps - 1 if last else index
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """
+        The loss of micro-batch `batch` of this step, to back-propagate: S_m / C of the whole step (times the DDP
+        world size, which DDP's averaging divides again, and the accelerator's accumulation steps, which
+        `accelerator.backward` divides again). `model` is the model as the loop calls it: bare, in DDP, in
+        `nn.DataParallel` / `BalancedDataParallel`, or prepared by accelerate.
+        """
+        index = self._index_of(batch)
+        loop, exact = self.loop, self.loop.exact
+        head = exact.head(model, batch)
+        if self._counts is None and head is not None:
+            if not exact.usable(head, self.batches):
+                head = None
+            else:
+                self._counts = self._count(head, model)
+        if head is None or self._counts is None:
+            # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
+            value = model(**batch).loss / len(self.batches)
+        else:
+            value, _ = micro_batch_loss(
+                exact,
+                model,
+                head,
+                self.batches[index],  # the step's own copy: marked where it holds padding rows
+                self._counts,
+                autocast_dtype=loop._autocast_dtype(),
+                accumulation_steps=len(self.batches),
+            )
+        self._done[index] = value.detach()
+        return value * loop.backward_divides_by
+
+    def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
+        loop = self.loop
+        self.batches = loop._mark_padding(head, [dict(batch) for batch in self.batches], self._end, self._padding)
+        device = _device_of(self.batches[0])
+        main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
+        return loop.exact.count_step(head, self.batches, device, main_input_name)
+
+    def _index_of(self, batch: dict) -> int:
+        for index, own in enumerate(self.batches):
+            if own is batch or _same_labels(own, batch):
+                if self._done[index] is not None:
+                    raise ValueError(
+                        f"LoopStep.loss: the loss of micro-batch {index} of this step was computed already; each "
+                        "micro-batch's loss is computed once per step (its count is in the step's count once)."
+                    )
+                return index
+        raise ValueError(
+            "LoopStep.loss: this batch is not one of this step's micro-batches, so the step's item count does not "
+            "cover it. Pass the batches the step yields (`for batch in step`), unchanged; to move them to a device, "
+            "pass device= to ExactLoop.steps."
+        )
+
+    def logged_loss(self) -> float:
+        """
+        The step's loss as one device computes it on all its micro-batches: the sum of per-item losses over the
+        item count, over every micro-batch and rank. A collective under DDP: call it on every rank.
+        """
+        missing = [index for index, value in enumerate(self._done) if value is None]
+        if missing:
+            raise ValueError(
+                f"LoopStep.logged_loss: micro-batches {missing} of this step have no loss yet; call step.loss(model, "
+                "batch) for every micro-batch of the step first."
+            )
+        total = torch.stack([value.float().reshape(()) for value in self._done]).sum()
+        loop = self.loop
+        if self._counts is None:  # stock: the mean over ranks of each rank's sum of micro-batch means / G
+            scale = loop.num_processes
+        else:
+            scale = self._counts.scale
+        if loop.num_processes > 1:
+            total = loop.exact.reduce_sum(total)
+        return float(total) / scale
+
+
+# ---- Helpers ----
+def _accelerate_sum(accelerator):
+    return lambda tensor: accelerator.reduce(tensor, reduction="sum")
+
+
+def _to_device(batch: Any, device) -> Any:
+    if device is None or not isinstance(batch, dict):
+        return batch
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+
+def _device_of(batch: dict) -> torch.device | None:
+    for value in batch.values():
+        if torch.is_tensor(value):
+            return value.device
+    return None
+
+
+def _same_labels(own: dict, batch: dict) -> bool:
+    """The same micro-batch, in another dict: its tensors are the very same objects (moved nowhere)."""
+    if not isinstance(batch, dict) or own.keys() - {REAL_ROWS_KEY} != batch.keys() - {REAL_ROWS_KEY}:
+        return False
+    return all(own[key] is batch[key] for key in batch if torch.is_tensor(batch[key]))
+
+
+class _SamplerPadding:
+    """
+    The samples a `DistributedSampler` repeats to give every rank as many (`drop_last=False`): the padded index list
+    is dealt out round-robin, so rank r's real samples are the first ceil((N - r) / W) it reads in an epoch.
+    """
+
+    def __init__(self, dataloader, rank: int, world: int):
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler):
+            sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        self.real = None
+        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and world > 1:
+            self.real = max(0, math.ceil((len(sampler.dataset) - rank) / world))
+        self.seen = 0
+
+    def mark(self, head: LossHead, batches: list[dict]) -> None:
+        if self.real is None:
+            return
+        for batch in batches:
+            rows = len(batch[head.label_keys[0]])
+            real = min(rows, max(0, self.real - self.seen))
+            self.seen += rows
+            if real < rows:
+                batch[REAL_ROWS_KEY] = real
