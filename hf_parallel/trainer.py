@@ -18,7 +18,8 @@ from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .exact import ExactLoss, LossHead, StepCounts, pull_batches
 from .exact.fallback import stock_compute_loss, stock_training_step
-from .exact.forward import micro_batch_loss, uses_model_loss
+from .exact.forward import micro_batch_loss
+from .exact.heads import CrossEntropyHead
 from .exact.remainder import epoch_end
 from .exact.replicas import is_data_parallel, replica_autocast, replica_step, replicating
 from .exact.streams import count_samples, gather_samples
@@ -181,10 +182,11 @@ class TrainerMixin:
 
     def _mark_evaluation_padding(self, head: LossHead, inputs: dict) -> dict:
         """
-        The last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding, for a head
-        that takes the model's own loss (one sum per forward, so gathering cannot drop them afterwards).
+        The last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding, for a
+        cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per forward,
+        from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows are 0 too.
         """
-        if not uses_model_loss(head) or self.accelerator.num_processes == 1:
+        if not isinstance(head, CrossEntropyHead) or self.accelerator.num_processes == 1:
             return inputs
         inputs = dict(inputs)
         pads = self.accelerator.even_batches and not self.args.dataloader_drop_last

@@ -139,6 +139,10 @@ def test_fused_loss_under_ddp_is_exact_with_padded_steps_and_eval_duplicates(tmp
     runs = {
         "fused": (FUSED, DDP, False, {}),
         "fused padded": (FUSED, DDP, False, PADDED),
+        # One evaluation batch per rank, with the duplicate in it: the head is checked (and switches to the model's
+        # own loss) on the padded batch itself.
+        "fused one eval batch": (FUSED, DDP, False, {"per_device_eval_batch_size": 4}),
+        "plain one eval batch": (PLAIN, DDP, False, {"per_device_eval_batch_size": 4}),
         # Trained before any evaluation: stock evaluated first would never wrap the model in DDP (another trap).
         "stock padded": (FUSED, DDP, True, {**PADDED, "evaluate_first": False, "eval_rows": 0}),
     }
@@ -152,6 +156,8 @@ def test_fused_loss_under_ddp_is_exact_with_padded_steps_and_eval_duplicates(tmp
     assert fused["loss"] == pytest.approx(loss, rel=TOL)
     assert max_relative_diff(fused["grads"], grads) < TOL
     assert fused["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
+    assert results["fused one eval batch"]["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
+    assert results["plain one eval batch"]["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
     # The padded step: one process on the same 10 rows in the same order (batch 8, then the 2 real rows).
     single = run_case(PLAIN, SINGLE, **PADDED)
     padded = results["fused padded"]

@@ -138,8 +138,10 @@ def micro_batch_loss(
     check = exact.pending_check(head, owner, inputs, loss_func)
     own = uses_model_loss(head)
     probe = check is not None and can_use_model_loss(head, exact.unwrap(owner), loss_func)
-    if check is not None and not exact.outputs_wanted:
-        inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}  # the check needs the logits
+    if "skip_logits" in inputs and (check is not None or not own):
+        # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); the check
+        # compares the logits, and a recomputed loss is made of them.
+        inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
     inputs, labels = exact.split_labels(head, inputs, model, build_decoder_inputs=check is None and not own)
     total = exact.user_loss_total(head, labels, step, inputs, main_input_name) if loss_func is not None else None
     run = _Forward(exact, head, loss_func, total, step, main_input_name, check, own, probe)
