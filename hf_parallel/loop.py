@@ -134,6 +134,18 @@ class ExactLoop:
         """
         accumulation = accumulation_steps if accumulation_steps is not None else self.backward_divides_by
         check_whole_number("accumulation_steps", accumulation, 1)
+        if self.accelerator is not None and accumulation != self.backward_divides_by:
+            # accelerator.accumulate steps the optimizer by its own count of micro-batches: with another count here
+            # it would step in the middle of a LoopStep (every micro-batch, at gradient_accumulation_steps=1).
+            raise ValueError(
+                f"ExactLoop.steps: accumulation_steps={accumulation} differs from the accelerator's "
+                f"gradient_accumulation_steps={self.backward_divides_by}; set Accelerator(gradient_accumulation_steps="
+                f"{accumulation}) and leave accumulation_steps out."
+            )
+        # Checked here, at the call, not at the first step: the steps themselves are a generator.
+        return self._steps(dataloader, accumulation, device)
+
+    def _steps(self, dataloader, accumulation: int, device) -> Iterator[LoopStep]:
         padding = self._padding(dataloader, "the training dataloader")
         iterator = iter(dataloader)
         while True:
@@ -168,7 +180,7 @@ class ExactLoop:
                     batch = _to_device(batch, device)
                     head = self.exact.head(model, batch)
                     if head is None or not head.has_labels(batch):
-                        stock.append(model(**batch).loss.detach().float())  # the fallback: stock's mean of means
+                        stock.append(_stock_loss(model(**batch)).detach().float())  # the fallback: mean of means
                         continue
                     end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
                     batch = self._mark_padding(head, [dict(batch)], end, padding)[0]
@@ -270,7 +282,7 @@ class LoopStep:
                 self._counts = self._count(head, model)
         if head is None or self._counts is None:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
-            value = model(**batch).loss / len(self.batches)
+            value = _stock_loss(model(**batch)) / len(self.batches)
         else:
             value, _ = micro_batch_loss(
                 exact,
@@ -331,6 +343,16 @@ class LoopStep:
 # ---- Helpers ----
 def _accelerate_sum(accelerator):
     return lambda tensor: accelerator.reduce(tensor, reduction="sum")
+
+
+def _stock_loss(outputs: Any) -> torch.Tensor:
+    """
+    The model's own loss, as stock's training step reads it: `outputs["loss"]` of a dict (a `ModelOutput` or a plain
+    dict: `outputs.loss` fails on a plain dict), else the first output; under `nn.DataParallel` the mean of the
+    replicas' losses (it gathers their 0-dim losses into a vector).
+    """
+    loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+    return loss.mean()
 
 
 def _to_device(batch: Any, device) -> Any:
