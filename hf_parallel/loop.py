@@ -50,6 +50,13 @@ from .validation import check_whole_number
 
 __all__ = ["ExactLoop", "LoopStep"]
 
+# What a fallback warning of the loop says happens instead of the exact loss.
+_LOOP_FALLBACK = (
+    "LoopStep.loss gives the model's own loss instead, divided by the step's micro-batches, as the canonical loop "
+    "does: a per-device, per-micro-batch mean, which DDP and gradient accumulation average (not exact where the "
+    "batches hold uneven numbers of items); ExactLoop.evaluate gives the mean of the batches' losses."
+)
+
 
 class ExactLoop:
     """
@@ -99,6 +106,7 @@ class ExactLoop:
             # Padding rows are masked before the forward here, so the evaluation adds rows over ranks, all of them.
             gather_rows=lambda rows: tuple(self._sum_rows(part) for part in rows),
             unwrap=unwrap,
+            fallback=_LOOP_FALLBACK,
         )
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

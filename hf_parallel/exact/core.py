@@ -68,6 +68,8 @@ class ExactLoss(SelfCheck):
             rows a distributed sampler duplicated (accelerate's `gather_for_metrics`); identity when not given.
         unwrap (`Callable`, *optional*): takes a model out of its wrappers before its head is resolved; run only
             when the head of that model is not cached yet.
+        fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's stock loss when
+            `None`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class ExactLoss(SelfCheck):
         reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
         gather_rows: Callable[[Any], Any] | None = None,
         unwrap: Callable[[nn.Module], nn.Module] | None = None,
+        fallback: str | None = None,
     ):
         if num_processes > 1 and reduce_sum is None:
             raise ValueError(f"ExactLoss over {num_processes} processes needs reduce_sum to count the whole step.")
@@ -89,6 +92,9 @@ class ExactLoss(SelfCheck):
         self.reduce_sum = reduce_sum
         self.gather_rows = gather_rows or (lambda rows: rows)
         self.unwrap = unwrap or (lambda model: model)
+        self.fallback = fallback or (
+            "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
+        )
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         # Per cached head: how many forwards checked it against the model's own loss so far; -1 once decided.
         self._checks: dict[tuple, int] = {}
@@ -162,10 +168,7 @@ class ExactLoss(SelfCheck):
 
     def warn_fallback(self, reason: str) -> None:
         """Warn once per reason that the stock loss is used, and what of stock's multi-device error is removed."""
-        self.warn_once(
-            f"exact_loss: {reason} The loss is left to the Trainer: the stock transformers loss, or a subclass's own. "
-            f"{FALLBACK_NOTE}"
-        )
+        self.warn_once(f"exact_loss: {reason} {self.fallback}")
 
     def warn_once(self, message: str) -> None:
         if message not in self._warned:
