@@ -5,6 +5,8 @@ The exact loss: one process with batch 2B == DDP 2 ranks x B == simulated DataPa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,6 @@ from tests.harness import (
     Topology,
     max_relative_diff,
     run_case,
-    run_ddp,
     run_ddp_runs,
     training_args,
 )
@@ -41,6 +42,36 @@ IN_PROCESS = (
     Topology("DP 3 balanced gpu0_weight=0.5", per_device=3, dp_devices=3, gpu0_weight=0.5),
     Topology("DP 3 + grad-accum 2", per_device=2, dp_devices=3, accumulation=2),
 )
+# The split rules added last (fewer chunks than devices, GPU 0 without rows, a weighted GPU 0) change which rows reach
+# which replica, not how a head computes its terms: by default they run on one case per head kind. Every case still
+# runs under the other topologies, which hold the same paths (an uneven split, the balanced wrapper, DataParallel with
+# GA). The other cases' rows run on request, with the whole zoo: HF_PARALLEL_FULL_ZOO=1 pytest tests/test_exact_loss.py
+FULL = bool(os.environ.get("HF_PARALLEL_FULL_ZOO"))
+ON_REQUEST = pytest.mark.skipif(
+    not FULL, reason="one case per head kind under the split rules by default: HF_PARALLEL_FULL_ZOO=1 runs the rest"
+)
+SPLIT_RULES = {"DP 4 fewer chunks [3,3,2]", "DP 3 balanced gpu0_bsz=0", "DP 3 balanced gpu0_weight=0.5"}
+ONE_CASE_PER_HEAD_KIND = (
+    "llama_causal_lm",
+    "bart_seq2seq",
+    "bert_masked_lm",
+    "bert_token_classification",
+    "bert_single_label",
+    "bert_multi_label",
+    "bert_regression",
+    "bert_multiple_choice",
+    "bert_question_answering",
+)
+MATRIX = [
+    pytest.param(
+        case,
+        topology,
+        id=f"{case}-{topology.name}",
+        marks=[ON_REQUEST] if topology.name in SPLIT_RULES and case not in ONE_CASE_PER_HEAD_KIND else [],
+    )
+    for topology in IN_PROCESS
+    for case in CASE_NAMES
+]
 
 _single_cache: dict[str, dict] = {}
 
@@ -85,8 +116,7 @@ def test_single_process_equals_the_model_loss_on_the_whole_batch(case):
 # ---- The matrix ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("topology", IN_PROCESS, ids=[t.name for t in IN_PROCESS])
-@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize(("case", "topology"), MATRIX)
 def test_in_process_topologies_equal_one_process(case, topology):
     result = run_case(case, topology)
     if topology.dp_devices > 1:
@@ -95,7 +125,14 @@ def test_in_process_topologies_equal_one_process(case, topology):
     assert_equivalent(result, single(case), f"{case} under {topology.name}")
 
 
-@pytest.mark.parametrize("topology", IN_PROCESS, ids=[t.name for t in IN_PROCESS])
+# The Seq2SeqTrainer is no head kind of its own: bart_seq2seq has the split rules' rows (the Seq2SeqTrainer's, on
+# request: HF_PARALLEL_FULL_ZOO=1).
+SEQ2SEQ_TOPOLOGIES = [
+    pytest.param(t, id=t.name, marks=[ON_REQUEST] if t.name in SPLIT_RULES else []) for t in IN_PROCESS
+]
+
+
+@pytest.mark.parametrize("topology", SEQ2SEQ_TOPOLOGIES)
 def test_seq2seq_trainer_row(topology):
     """hf_parallel.Seq2SeqTrainer, generating in evaluation: the same exact step and eval_loss as the Trainer's."""
     classes = (hf_parallel.Seq2SeqTrainer, hf_parallel.Seq2SeqTrainingArguments)
@@ -103,12 +140,28 @@ def test_seq2seq_trainer_row(topology):
     assert_equivalent(result, single("bart_seq2seq"), f"Seq2SeqTrainer under {topology.name}")
 
 
+# Every 2-rank DDP run of this file, the epoch remainder's included, in one spawn of 2 CPU ranks (each spawn costs
+# seconds of imports): run name -> result. Each test checks its own runs.
+DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
+GA_CASES = ["llama_causal_lm", "bert_token_classification", "bert_question_answering"]
+UNLOGGED_CASES = ["gpt2_causal_lm", "bert_single_label"]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> dict:
+    runs = {f"DDP 2: {case}": (case, DDP2, False, {}) for case in CASE_NAMES}
+    runs.update({f"{DDP2_GA2.name}: {case}": (case, DDP2_GA2, False, {}) for case in GA_CASES})
+    runs.update({f"unlogged: {case}": (case, DDP2, False, {"logging_steps": 1000}) for case in UNLOGGED_CASES})
+    runs["stock DDP 2: bert_single_label"] = ("bert_single_label", DDP2, True, {})
+    runs.update({f"epoch: {name}": run for name, run in _epoch_runs().items()})
+    return run_ddp_runs(runs, tmp_path_factory.mktemp("ddp"))
+
+
 @pytest.mark.slow
-def test_ddp_two_ranks_equal_one_process(tmp_path):
-    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-    results = run_ddp(list(CASE_NAMES), topology, tmp_path)
+def test_ddp_two_ranks_equal_one_process(ddp_results):
     for case in CASE_NAMES:
-        result = results[case]
+        result = ddp_results[f"DDP 2: {case}"]
         assert result["world_size"] == 2
         assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
         # evaluate() ran before train(): the model must still train wrapped in DDP, with equal ranks.
@@ -118,28 +171,24 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_with_gradient_accumulation_equals_one_process(tmp_path):
-    cases = ["llama_causal_lm", "bert_token_classification", "bert_question_answering"]
-    topology = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
-    results = run_ddp(cases, topology, tmp_path)
-    for case in cases:
-        assert results[case]["world_size"] == 2
-        assert results[case]["wrapped"] == "DistributedDataParallel"
-        assert results[case]["max_rank_param_diff"] == 0.0
-        assert_equivalent(results[case], single(case), f"{case} under {topology.name}")
-        assert results[case]["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
+def test_ddp_with_gradient_accumulation_equals_one_process(ddp_results):
+    for case in GA_CASES:
+        result = ddp_results[f"{DDP2_GA2.name}: {case}"]
+        assert result["world_size"] == 2
+        assert result["wrapped"] == "DistributedDataParallel"
+        assert result["max_rank_param_diff"] == 0.0
+        assert_equivalent(result, single(case), f"{case} under {DDP2_GA2.name}")
+        assert result["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
 
 
 @pytest.mark.slow
-def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(tmp_path):
+def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(ddp_results):
     """With no logging step before the end, train_loss comes from each rank's remainder: averaged, not local."""
-    cases = ["gpt2_causal_lm", "bert_single_label"]
-    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-    results = run_ddp(cases, topology, tmp_path, logging_steps=1000)
-    for case in cases:
-        assert results[case]["world_size"] == 2
-        assert results[case]["loss"] is None  # nothing was logged during training
-        assert results[case]["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
+    for case in UNLOGGED_CASES:
+        result = ddp_results[f"unlogged: {case}"]
+        assert result["world_size"] == 2
+        assert result["loss"] is None  # nothing was logged during training
+        assert result["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
 
 
 # ---- Controls: stock transformers differs, as the README says -----------------------------------------------------
@@ -215,11 +264,9 @@ def test_control_stock_eval_loss_is_a_mean_of_batch_means():
 
 
 @pytest.mark.slow
-def test_control_stock_ddp(tmp_path):
+def test_control_stock_ddp(ddp_results):
     """Stock under 2-rank DDP: the classifier's loss and gradient x2, and evaluate() before train() skips DDP."""
-    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-    results = run_ddp(["bert_single_label"], topology, tmp_path, stock=True)
-    stock = results["bert_single_label"]
+    stock = ddp_results["stock DDP 2: bert_single_label"]
     assert stock["world_size"] == 2
     assert stock["wrapped"] != "DistributedDataParallel"  # the trap: never wrapped after evaluate()
     assert stock["max_rank_param_diff"] > 0  # so the ranks drifted apart
@@ -375,8 +422,8 @@ def _update_error(result: dict, reference: dict, initial: dict) -> float:
     return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
 
 
-@pytest.fixture(scope="module")
-def epoch_results(tmp_path_factory):
+def _epoch_runs() -> dict:
+    """The epoch remainder's DDP runs (in the spawn of `ddp_results`): name -> (case, topology, stock, overrides)."""
     runs = {
         name: (case, _epoch_topology(per_device, accumulation), False, {"train_rows": rows, **EPOCH})
         for name, (case, rows, per_device, accumulation) in EPOCH_RUNS.items()
@@ -394,7 +441,13 @@ def epoch_results(tmp_path_factory):
         "bert_single_label", _epoch_topology(4, 1), False,
         {"train_rows": 10, "dataloader_drop_last": True, **EPOCH},
     )  # fmt: skip
-    return run_ddp_runs(runs, tmp_path_factory.mktemp("epoch"))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def epoch_results(ddp_results) -> dict:
+    prefix = "epoch: "
+    return {name[len(prefix) :]: result for name, result in ddp_results.items() if name.startswith(prefix)}
 
 
 def _one_device(case: str, rows: int, **overrides) -> dict:

@@ -9,7 +9,6 @@ Each next to a stock control that shows the stock error. LoRA also has rows in t
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import datasets
@@ -155,7 +154,9 @@ def test_trl_keeps_its_config_and_its_own_loss(trainer_cls, tmp_path, hf_paralle
 # ---- torch.compile, evaluate() before train(), DDP ------------------------------------------------------------------
 
 
-def _compiled_after_evaluate(output_dir: str) -> None:
+def _compiled_after_evaluate(output_dir: str) -> dict[str, float]:
+    """On each DDP rank: ours and stock, torch.compile'd, evaluate() then train(); how far the ranks' weights are
+    apart after."""
     report = {}
     for name, trainer_cls, args_cls in (
         ("ours", Trainer, TrainingArguments),
@@ -178,17 +179,12 @@ def _compiled_after_evaluate(output_dir: str) -> None:
         gathered = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(gathered, flat)
         report[name] = (gathered[0] - gathered[1]).abs().max().item()
-    if dist.get_rank() == 0:
-        with open(os.path.join(output_dir, "report.json"), "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return report
 
 
 @pytest.mark.slow
-def test_compiled_model_evaluated_first_still_trains_in_sync(tmp_path):
-    spawn_cpu_ranks(_compiled_after_evaluate, (str(tmp_path),), num_processes=2)
-    report = json.loads((tmp_path / "report.json").read_text())
+def test_compiled_model_evaluated_first_still_trains_in_sync(ddp_report):
+    report = ddp_report["compiled"]
     assert report["ours"] == 0.0  # trained in DDP: the ranks stay equal
     assert report["stock"] > 1e-3  # stock never wraps it: the ranks drift apart
 
@@ -229,17 +225,15 @@ def _packed_eval_losses(trainer_cls, args_cls, output_dir: str) -> dict[int, flo
     return losses
 
 
-def _packed_eval_ranks(output_dir: str) -> None:
+def _packed_eval_report(output_dir: str) -> dict:
+    """On each DDP rank: the eval_loss of packed sets of every size, ours and stock."""
     assert dist.get_world_size() == 2
-    report = {
-        "ours": _packed_eval_losses(Trainer, TrainingArguments, output_dir),
-        "stock": _packed_eval_losses(transformers.Trainer, transformers.TrainingArguments, output_dir),
+    return {
+        "ours": _packed_eval_losses(Trainer, TrainingArguments, os.path.join(output_dir, "ours")),
+        "stock": _packed_eval_losses(
+            transformers.Trainer, transformers.TrainingArguments, os.path.join(output_dir, "stock")
+        ),
     }
-    if dist.get_rank() == 0:
-        with open(os.path.join(output_dir, "report.json"), "w") as f:
-            json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _packed_definition(n: int) -> float:
@@ -257,14 +251,13 @@ def _packed_definition(n: int) -> float:
 
 
 @pytest.mark.slow
-def test_packed_evaluation_counts_each_sample_once_under_ddp(tmp_path):
-    spawn_cpu_ranks(_packed_eval_ranks, (str(tmp_path),), num_processes=2)
-    report = json.loads((tmp_path / "report.json").read_text())
+def test_packed_evaluation_counts_each_sample_once_under_ddp(ddp_report):
+    report = ddp_report["packed"]
     for n in PACKED_EVAL_SIZES:
         expected = _packed_definition(n)
-        assert report["ours"][str(n)] == pytest.approx(expected, rel=1e-5), n
+        assert report["ours"][n] == pytest.approx(expected, rel=1e-5), n
     # Stock counts the duplicate accelerate pads in (and averages per-batch means): off where the set is uneven.
-    assert abs(report["stock"]["7"] - _packed_definition(7)) > 1e-4
+    assert abs(report["stock"][7] - _packed_definition(7)) > 1e-4
 
 
 # ---- Iterable sets each rank reads itself (dispatch_batches=False): every sample counted once -----------------------
@@ -337,7 +330,8 @@ def test_samples_read_in_worker_processes_cannot_be_counted_and_say_so(tmp_path,
     assert "eval_dataset is iterable" in warnings[0] and "dispatch_batches" in warnings[0]
 
 
-def _stream_ranks(output_dir: str) -> None:
+def _stream_report(output_dir: str) -> dict:
+    """On each DDP rank: iterable sets each rank reads itself, evaluated and trained, ours and stock."""
     assert dist.get_world_size() == 2
     report = {}
     with record_hf_parallel_log() as log:
@@ -374,6 +368,19 @@ def _stream_ranks(output_dir: str) -> None:
             assert torch.equal(gathered[0], gathered[1])  # the ranks trained together
             report[name] = {key: result[key] for key in ("losses", "train_loss", "params")}
         report["warnings"] = log.messages
+    return report
+
+
+# ---- The DDP checks of this file, in one spawn of 2 CPU ranks (each spawn costs seconds of imports) ----------------
+
+
+def _ddp_ranks(output_dir: str) -> None:
+    """Body of each rank: every DDP report of this file, torch.compile last; rank 0 saves them."""
+    report = {
+        "streams": _stream_report(os.path.join(output_dir, "streams")),
+        "packed": _packed_eval_report(os.path.join(output_dir, "packed")),
+        "compiled": _compiled_after_evaluate(os.path.join(output_dir, "compiled")),
+    }
     if dist.get_rank() == 0:
         torch.save(report, os.path.join(output_dir, "report.pt"))
     dist.barrier()
@@ -381,10 +388,15 @@ def _stream_ranks(output_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stream_report(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("streams")
-    spawn_cpu_ranks(_stream_ranks, (str(output_dir),), num_processes=2)
+def ddp_report(tmp_path_factory) -> dict:
+    output_dir = tmp_path_factory.mktemp("reach_ddp")
+    spawn_cpu_ranks(_ddp_ranks, (str(output_dir),), num_processes=2)
     return torch.load(output_dir / "report.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def stream_report(ddp_report) -> dict:
+    return ddp_report["streams"]
 
 
 @pytest.mark.slow

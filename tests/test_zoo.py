@@ -8,6 +8,7 @@ builds other decoder inputs than its `prepare_decoder_input_ids_from_labels`. Th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -106,6 +107,7 @@ TOPOLOGIES = (
 )
 
 
+@functools.cache  # pure, and compared with by several tests
 def reference(case: Case) -> tuple[float, dict]:
     """The model's own loss on all rows in one forward (label smoothing: transformers' LabelSmoother, unshifted as
     the model's loss is), and its gradient."""
@@ -139,17 +141,29 @@ def test_stock_trains_the_unshifted_decoder_on_another_loss():
     assert result["loss"] != pytest.approx(loss, rel=1e-3)
 
 
-def assert_ddp_exact(case: Case, expected: tuple[float, dict], tmp_path) -> None:
+DDP_TOPOLOGY = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> dict:
+    """The DDP runs of this file (the unshifted decoder, FSMT), each checked in training and in evaluation, in one
+    spawn of 2 CPU ranks (each spawn costs seconds of imports): run name -> result."""
+    checks = {"checked in training": {"evaluate_first": False, "eval_rows": 0}, "checked in evaluation": {}}
+    runs = {
+        f"{case.name}, {checked}": (case, DDP_TOPOLOGY, False, overrides)
+        for case in (BART_DECODER, FSMT)
+        for checked, overrides in checks.items()
+    }
+    return run_ddp_runs(runs, tmp_path_factory.mktemp("zoo_ddp"))
+
+
+def assert_ddp_exact(case: Case, expected: tuple[float, dict], ddp_results: dict) -> None:
     """`case` on 2 DDP ranks, its head checked in training and in evaluation: exact against `expected` (the model's
     own loss and gradient on all rows), wrapped in DDP, ranks equal."""
-    topology = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-    runs = {
-        "checked in training": (case, topology, False, {"evaluate_first": False, "eval_rows": 0}),
-        "checked in evaluation": (case, topology, False, {}),
-    }
-    results = run_ddp_runs(runs, tmp_path)
     loss, grads = expected
-    for name, result in results.items():
+    for checked in ("checked in training", "checked in evaluation"):
+        name = f"{case.name}, {checked}"
+        result = ddp_results[name]
         assert result["world_size"] == 2, name
         assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
         assert result["wrapped"] == "DistributedDataParallel", name
@@ -159,8 +173,8 @@ def assert_ddp_exact(case: Case, expected: tuple[float, dict], tmp_path) -> None
 
 
 @pytest.mark.slow
-def test_ddp_ranks_agree_on_the_head_and_stay_exact(tmp_path):
-    assert_ddp_exact(BART_DECODER, reference(BART_DECODER), tmp_path)
+def test_ddp_ranks_agree_on_the_head_and_stay_exact(ddp_results):
+    assert_ddp_exact(BART_DECODER, reference(BART_DECODER), ddp_results)
 
 
 # ---- The decisions of the check --------------------------------------------------------------------------------
@@ -327,6 +341,7 @@ def test_a_normal_seq2seq_builds_its_decoder_inputs_from_its_labels():
         watch.remove()
 
 
+@functools.cache  # pure, and compared with by several tests
 def fsmt_reference(case: Case) -> tuple[float, dict]:
     """FSMT's own loss on all rows in one forward, `model(input_ids, attention_mask, labels)` (label smoothing:
     transformers' LabelSmoother on its logits), and its gradient."""
@@ -360,8 +375,8 @@ def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, 
 
 
 @pytest.mark.slow
-def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(tmp_path):
-    assert_ddp_exact(FSMT, fsmt_reference(FSMT), tmp_path)
+def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(ddp_results):
+    assert_ddp_exact(FSMT, fsmt_reference(FSMT), ddp_results)
 
 
 def test_fsmt_keeps_the_label_smoothing_of_its_head():
