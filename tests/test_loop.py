@@ -27,10 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM
 
 from hf_parallel import BalancedDataParallel, ExactLoop
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
+from tests.heads import llama
 from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import run_together
 from tests.tiny import TinyRegressor, classification_rows, tiny_bert_classifier
@@ -75,17 +76,7 @@ STOCK_ONE_PROCESS = ("accelerate", 4, 2, True)
 def build(kind: str) -> nn.Module:
     if kind == "cls":
         return tiny_bert_classifier(seed=0)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config)
+    return llama(0, vocab_size=VOCAB)  # the matrix's tiny Llama (tests/heads.py), with this file's vocabulary
 
 
 def lm_rows(lengths: list[int], seed: int) -> list[dict]:
