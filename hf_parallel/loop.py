@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from .exact import REAL_ROWS_KEY, ExactLoss, LossHead, StepCounts
-from .exact.forward import micro_batch_loss
+from .exact.forward import batch_device, micro_batch_loss
 from .exact.remainder import EpochEnd, epoch_end
 from .exact.replicas import AUTOCAST_DTYPES, replica_autocast
 from .exact.streams import count_samples
@@ -104,7 +104,7 @@ class ExactLoop:
             num_processes=processes,
             reduce_sum=reduce_sum,
             # Padding rows are masked before the forward here, so the evaluation adds rows over ranks, all of them.
-            gather_rows=lambda rows: tuple(self._sum_rows(part) for part in rows),
+            gather_rows=lambda rows: self.exact.sum_over_ranks(rows[0].sum(0), rows[1].sum(0)),
             unwrap=unwrap,
             fallback=_LOOP_FALLBACK,
         )
@@ -113,12 +113,6 @@ class ExactLoop:
         summed = tensor.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
         return summed
-
-    def _sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        total = rows.sum(0, keepdim=True)
-        if self.num_processes == 1:
-            return total
-        return self.exact.reduce_sum(total.double()).to(total.dtype)
 
     @property
     def backward_divides_by(self) -> int:
@@ -307,7 +301,7 @@ class LoopStep:
     def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
         loop = self.loop
         self.batches = loop._mark_padding(head, [dict(batch) for batch in self.batches], self._end, self._padding)
-        device = _device_of(self.batches[0])
+        device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
         return loop.exact.count_step(head, self.batches, device, main_input_name)
 
@@ -367,13 +361,6 @@ def _to_device(batch: Any, device) -> Any:
     if device is None or not isinstance(batch, dict):
         return batch
     return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
-
-
-def _device_of(batch: dict) -> torch.device | None:
-    for value in batch.values():
-        if torch.is_tensor(value):
-            return value.device
-    return None
 
 
 def _same_labels(own: dict, batch: dict) -> bool:

@@ -347,13 +347,13 @@ class ExactLoss(SelfCheck):
         if self._eval_totals is not None:
             if getattr(head, "uses_model_loss", False):
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
-                self._eval_totals.add(head, *self._sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
+                self._eval_totals.add(head, *self.sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
             else:
                 # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
                 self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
         return head.combine(row_sums.sum(0), row_counts.sum(0))
 
-    def _sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""
         if self.num_processes == 1:
             return sums.reshape(1, -1), counts.reshape(1, -1)

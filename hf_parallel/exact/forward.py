@@ -43,8 +43,9 @@ from .counts import StepCounts, sequence_length
 from .heads import CrossEntropyHead, LossHead
 from .remainder import REAL_ROWS_KEY
 from .replicas import is_data_parallel, outputs_device, run_in_replicas, takes_use_cache, without_cache
+from .selfcheck import fused_outputs
 
-__all__ = ["accepts_item_count", "can_use_model_loss", "micro_batch_loss"]
+__all__ = ["accepts_item_count", "batch_device", "can_use_model_loss", "micro_batch_loss"]
 
 #: What a checked forward adds to the item count it passes (see the module docstring): no count of items is it.
 PROBE_OFFSET = 0.5
@@ -184,7 +185,7 @@ class _Forward:
         exact, head = self.exact, self.head
         model_labels = {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
         seq_len = sequence_length(inputs, self.main_input_name)
-        device = _device_of(model_labels, inputs)
+        device = batch_device(model_labels, inputs)
         count = None
         if self.own:
             # S / C of the step in training; S itself in evaluation.
@@ -192,11 +193,11 @@ class _Forward:
         elif self.probe:
             items = head.count(model_labels, seq_len).sum().to(device)
             count = (items.float() + PROBE_OFFSET).requires_grad_(torch.is_grad_enabled())
-        extra = {**model_labels, "num_items_in_batch": count} if count is not None else {}
-        if not extra and self.with_labels:
-            extra = model_labels
+        extra = model_labels if self.with_labels else {}
+        if count is not None:
+            extra = {**extra, "num_items_in_batch": count}
         outputs = run(**inputs, **extra)
-        if self.own or (self.probe and _logits(outputs) is None):
+        if self.own or (self.probe and fused_outputs(outputs)):
             terms = exact.model_terms(head, outputs, labels, seq_len, count)
         else:
             total = self.total
@@ -209,12 +210,7 @@ class _Forward:
         return terms, (without_cache(outputs) if self.drop_cache else outputs)
 
 
-def _logits(outputs) -> torch.Tensor | None:
-    value = outputs.get("logits") if isinstance(outputs, dict) else None
-    return value if torch.is_tensor(value) else None
-
-
-def _device_of(*tensors: dict) -> torch.device:
+def batch_device(*tensors: dict) -> torch.device:
     """The device a forward's rows are on (a DataParallel replica's): that of its first tensor."""
     for group in tensors:
         for value in group.values():

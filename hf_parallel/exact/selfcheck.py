@@ -63,6 +63,7 @@ __all__ = [
     "candidate_heads",
     "compared_head",
     "decide",
+    "fused_outputs",
     "replica_check",
     "tolerance",
     "with_model_loss",
@@ -114,6 +115,11 @@ def model_loss(outputs) -> torch.Tensor | None:
     return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
+def fused_outputs(outputs) -> bool:
+    """Whether a forward's outputs hold no logits (a loss fused with the LM head, Liger's), only its loss."""
+    return isinstance(outputs, dict) and not torch.is_tensor(outputs.get("logits"))
+
+
 def with_model_loss(head: LossHead) -> LossHead:
     """`head`, taking the model's own loss (given its labels and the step's count) instead of recomputing it."""
     own = copy.copy(head)
@@ -149,7 +155,7 @@ def replica_check(
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
     # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
-    has_logits = count is None or not isinstance(outputs, dict) or torch.is_tensor(outputs.get("logits"))
+    has_logits = count is None or not fused_outputs(outputs)
 
     def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
         if head not in computed:
@@ -170,12 +176,24 @@ def replica_check(
     if loss is None:
         return {**check, "model_loss": torch.zeros(1, device=device)}
     n = float(count.detach()) if count is not None else None
-    reference = loss.detach().double()
     if not has_logits:
         honours[0, 0] = _honours_by_gradient(loss, count)
-        mean = loss * (n / max(int(first[1].sum()), 1)) if n is not None and honours[0, 0] == 1 else loss
-        losses[0, 0] = mean.detach().double()
-        return {**check, "model_loss": mean.reshape(1)}
+    else:
+        honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses)
+    mean = loss
+    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
+        mean = loss * (n / max(int(first[1].sum()), 1))
+    losses[0, 0] = mean.detach().double()
+    return {**check, "model_loss": mean.reshape(1)}
+
+
+def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses) -> float:
+    """
+    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given) and the
+    first candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing
+    fitted or no count was given).
+    """
+    reference = loss.detach().double()
     divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
     for k, candidate in enumerate(candidates):
         sums, counts = terms_of(compared_head(candidate))
@@ -192,13 +210,7 @@ def replica_check(
         fits[0, k] = float(as_mean or as_sum)
         if as_sum or as_mean:
             divided.append(as_sum)
-    if n is not None and divided:
-        honours[0, 0] = float(all(divided))
-    mean = loss
-    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
-        mean = loss * (n / max(int(first[1].sum()), 1))
-    losses[0, 0] = mean.detach().double()
-    return {**check, "model_loss": mean.reshape(1)}
+    return float(all(divided)) if n is not None and divided else float("nan")
 
 
 def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> float:
