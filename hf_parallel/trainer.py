@@ -21,7 +21,7 @@ from .exact.fallback import stock_compute_loss, stock_training_step
 from .exact.forward import micro_batch_loss
 from .exact.heads import CrossEntropyHead
 from .exact.remainder import epoch_end
-from .exact.replicas import is_data_parallel, replica_autocast, replica_step, replicating
+from .exact.replicas import is_data_parallel, replica_autocast, replica_precision
 from .exact.streams import count_samples, gather_samples
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
@@ -200,7 +200,7 @@ class TrainerMixin:
         dtype = replica_autocast(self.accelerator.mixed_precision)
         if dtype is None or not is_data_parallel(model):
             return contextlib.nullcontext()
-        return replicating(model, replica_step(model, _plain_forward, (), dtype))
+        return replica_precision(model, dtype)
 
     def evaluation_loop(
         self,
@@ -327,10 +327,6 @@ class TrainerMixin:
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)
-
-
-def _plain_forward(run, inputs: dict, labels: dict):
-    return run(**inputs)
 
 
 def _dataset_name(description: str, metric_key_prefix: str) -> str:

@@ -152,6 +152,23 @@ def test_bf16_replicas_train_as_one_device_in_bf16():
         assert max_relative_diff(result["grads"], reference["grads"]) < 5e-2, topology.name
 
 
+def test_stock_label_smoothing_in_bf16_replicas_shifts_the_targets_as_one_device():
+    # The stock loss (exact_loss=False) under DataParallel and bf16 runs the model's forward in bf16 replicas; the
+    # label smoother around it shifts a causal LM's targets only if the unwrapped model's class is a causal LM's (it
+    # was "ReplicaStep": unshifted targets, x3.22 instead of x2.00 here).
+    case = dataclasses.replace(WIDE_LM, name="llama_wide_smoothing", label_smoothing=0.1)
+    reference = run_case(case, SINGLE, eval_rows=0, bf16=True, exact_loss=False)
+    fp32 = run_case(case, DP2, eval_rows=0, exact_loss=False)  # no autocast to set up: the model's own class
+    result = run_case(case, DP2, eval_rows=0, bf16=True, exact_loss=False)
+    assert result["wrapped"] == fp32["wrapped"] == "DataParallel"
+    # Stock multiplies a loss given num_items_in_batch by n_gpu under DataParallel (the x2 of the label-smoothing row
+    # of the stock table): the targets are those of one device when the bf16 loss is that factor times its loss.
+    assert result["loss"] == pytest.approx(2 * reference["loss"], rel=1e-2)
+    assert result["loss"] == pytest.approx(fp32["loss"], rel=1e-2)
+    grads = {name: grad / 2 for name, grad in result["grads"].items()}
+    assert max_relative_diff(grads, reference["grads"]) < 5e-2
+
+
 def test_a_replica_thread_gets_the_requested_dtype_not_the_thread_default():
     # torch's parallel_apply enters `autocast(device, enabled=...)` in each replica thread: the dtype is then the
     # thread's default (fp16 on CUDA, bf16 on CPU), not the caller's. ReplicaStep sets it in the thread.

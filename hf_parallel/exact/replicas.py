@@ -51,6 +51,7 @@ __all__ = [
     "is_data_parallel",
     "outputs_device",
     "replica_autocast",
+    "replica_precision",
     "replica_step",
     "replicating",
     "run_in_replicas",
@@ -152,6 +153,41 @@ def replicating(wrapper: nn.DataParallel, step: ReplicaStep) -> Iterator[None]:
     """Within the block, `wrapper` replicates `step` (around its model) instead of the model itself."""
     with temporarily(wrapper, "module", step):
         yield
+
+
+@contextlib.contextmanager
+def replica_precision(wrapper: nn.DataParallel, autocast_dtype: torch.dtype) -> Iterator[None]:
+    """
+    Within the block, each call of `wrapper` runs its model's forward under autocast with `autocast_dtype` in every
+    replica (the stock loss's forward, which computes no terms in the replicas).
+
+    Only the call is changed, not `wrapper.module`: code around the call (transformers' `compute_loss`) unwraps the
+    model to read its class name (the label smoother shifts the labels of a causal LM only), which must be the
+    model's, not `ReplicaStep`'s.
+    """
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError(
+                f"{type(wrapper).__name__} takes keyword inputs under mixed precision; got {len(args)} "
+                "positional ones. Pass the batch as keywords: model(**inputs)."
+            )
+        with replicating(wrapper, replica_step(wrapper, _model_forward, (), autocast_dtype)):
+            return type(wrapper).forward(wrapper, **kwargs)
+
+    own = wrapper.__dict__.get("forward")  # an instance's own forward (rare), put back after the block
+    wrapper.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del wrapper.forward
+        else:
+            wrapper.forward = own
+
+
+def _model_forward(run: Callable[..., Any], inputs: dict, labels: dict) -> Any:
+    return run(**inputs)
 
 
 def run_in_replicas(

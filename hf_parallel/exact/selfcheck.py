@@ -25,8 +25,9 @@ they differ on a replica of any rank, the head keeps the labels in the forward f
 `SelfCheck` holds the check's methods of `ExactLoss`.
 
 The same forward tells whether the model's loss honours `num_items_in_batch`, where it may be given one
-(`hf_parallel.exact.forward`): it is then given C + 1/2 (C its items). A loss that divides its sum by that is S / N:
-with logits, S is a candidate's sum; without (a fused loss), its gradient with respect to the count is -S / N^2. Where
+(`hf_parallel.exact.forward`): it is then given N = 2C + 1/2 (C its items). A loss that divides its sum by that is
+S / N: with logits, S is a candidate's sum; without (a fused loss), its gradient with respect to the count is -S / N^2,
+and a loss that ignores the count is S / C, about twice as large, whatever C and the loss's precision. Where
 every replica and rank that could tell says it honours the count, the head takes the model's own loss from then on
 (`with_model_loss`); a forward without logits whose loss ignores the count cannot be made exact (the stock loss).
 
@@ -223,8 +224,11 @@ def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> floa
     (gradient,) = torch.autograd.grad(loss, count, retain_graph=True, allow_unused=True)
     if gradient is None:
         return 0.0
+    # The expected gradient is taken from the loss as returned, rounded to its dtype: a half-precision loss is off from
+    # the gradient (computed before rounding) by up to half its last bit. A loss that ignores the count has none.
     expected = -loss.detach().double() / float(count.detach())
-    return float(bool((gradient.double() - expected).abs() <= _TOLERANCE[torch.float32] * expected.abs() + 1e-12))
+    bound = tolerance(loss.dtype) * expected.abs() + 1e-12
+    return float(bool((gradient.double() - expected).abs() <= bound))
 
 
 @dataclass(frozen=True)
