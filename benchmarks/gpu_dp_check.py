@@ -1,7 +1,9 @@
 """
 `hf_parallel.Trainer` through torch's real `nn.DataParallel` replicas on a GPU, against one device (step 2 of
 `benchmarks.gpu_check`; see there). One SGD step per configuration, the loss logged and the parameters after it
-compared with a one-device run on the same rows; then hf_parallel's own synchronising CUDA calls after the first step.
+compared with a one-device run on the same rows; then hf_parallel's own synchronising CUDA calls after the first step,
+in steps run through the DataParallel wrappers a user's `hf_parallel.Trainer` builds (`ExactDataParallel`, and
+`BalancedDataParallel` for `gpu0_bsz`) over the same `device_ids` (the dry run runs them, with nothing to watch).
 
     python -m benchmarks.gpu_dp_check             # one GPU: device_ids [0, 0]; two or more: [0, 1]
     python -m benchmarks.gpu_dp_check --dry_run   # no GPU: the CPU emulation of DataParallel over 2 devices
@@ -74,7 +76,8 @@ def train(case: str, precision: str, dry_run: bool, wrap=None, steps: int = 1, c
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         model = trainer.accelerator.unwrap_model(trainer.model)
-        return {"loss": losses[0], "params": {n: p.detach().float().cpu() for n, p in model.named_parameters()}}
+        params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        return {"loss": losses[0], "params": params, "wrapper": type(trainer.model_wrapped).__name__}
 
 
 def relative(result: dict, reference: dict) -> tuple[float, float]:
@@ -85,21 +88,38 @@ def relative(result: dict, reference: dict) -> tuple[float, float]:
 
 
 class _Syncs(transformers.TrainerCallback):
-    """After the first step, CUDA's sync debug mode warns at every synchronising call."""
+    """After the first step, CUDA's sync debug mode warns at every synchronising call (a dry run has no CUDA)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step >= 1:
+        if self.cuda and state.global_step >= 1:
             torch.cuda.set_sync_debug_mode("warn")
 
     def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.set_sync_debug_mode("default")
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
 
 
-def syncs_in_package() -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train("llama_causal_lm", "fp32", dry_run=False, steps=3, callbacks=(_Syncs(),))
-    return sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if w.filename.startswith(PACKAGE)})
+def syncs_in_package(device_ids: list[int], dry_run: bool) -> dict[str, list[str]]:
+    """
+    Per wrapper a user's Trainer builds (the even split, `gpu0_bsz`): hf_parallel's synchronising calls in steps 2 and
+    3, each step run through that DataParallel wrapper over `device_ids`, as a training step on several GPUs is.
+    """
+    found = {}
+    for name, expected in (("even", "ExactDataParallel"), ("gpu0_bsz=1", "BalancedDataParallel")):
+        emulation = simulate_data_parallel(2) if dry_run else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as caught, emulation:
+            warnings.simplefilter("always")
+            wrap = _wrapper(name, device_ids)
+            result = train("llama_causal_lm", "fp32", dry_run, wrap, steps=3, callbacks=(_Syncs(not dry_run),))
+        if result["wrapper"] != expected:  # the check would watch another path than a user's
+            raise RuntimeError(f"the sync check ran through {result['wrapper']}, not {expected}")
+        found[result["wrapper"]] = sorted(
+            {f"{Path(w.filename).name}:{w.lineno}" for w in caught if w.filename.startswith(PACKAGE)}
+        )
+    return found
 
 
 def main(argv=None) -> int:
@@ -129,10 +149,20 @@ def main(argv=None) -> int:
                 failed |= not ok
                 figures["runs"][label] = {"loss_rel": loss, "params_rel": params, "ok": ok}
                 print(f"{label}: loss {loss:.2e}, parameters {params:.2e} {'ok' if ok else 'OFF'}", flush=True)
+    try:
+        found = syncs_in_package(device_ids, dry_run)
+    except Exception:
+        traceback.print_exc()
+        found, failed = "error", True
     if not dry_run:
-        figures["syncs_in_hf_parallel"] = found = syncs_in_package()
-        failed |= bool(found)
-        print(f"synchronising calls from hf_parallel after the first step: {found or 'none'}", flush=True)
+        figures["syncs_in_hf_parallel"] = found
+        failed |= found != "error" and any(found.values())
+    if found == "error":
+        print("synchronising calls: the check failed (traceback above)", flush=True)
+    elif dry_run:  # a CPU has no CUDA syncs to report
+        print(f"synchronising calls: not watched in a dry run; steps 2-3 ran through {', '.join(found)}", flush=True)
+    else:
+        print(f"synchronising calls from hf_parallel after the first step, per wrapper: {found}", flush=True)
     print("FIGURES " + json.dumps(figures), flush=True)
     return 1 if failed else 0
 

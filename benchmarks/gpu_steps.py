@@ -1,8 +1,9 @@
 """
 The steps behind `benchmarks/balance_gpu.py`: one configuration (stock `transformers.Trainer` or `hf_parallel.Trainer`,
 with or without `gpu0_bsz`) trains a causal LM built from a config under DataParallel (torch's over the chosen
-`device_ids`, or the CPU emulation of `hf_parallel.testing` in a dry run); measured are its peak memory per GPU, its
-samples per second and, with `--search`, the largest per-step batch under a memory cap.
+`device_ids`, or the CPU emulation of `hf_parallel.testing` in a dry run); measured are its steady-state peak memory
+per GPU and samples per second (`SteadyState`: the steps after the warm-up and after hf_parallel's check of its loss
+head) and, with `--search`, the largest per-step batch under a memory cap.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_parallel
 from hf_parallel.chunking import balanced_chunk_sizes, torch_chunk_sizes
+from hf_parallel.exact import ExactLoss
 
 GIB = 2**30
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -42,7 +44,10 @@ class Result:
     wrapper: str = ""
     samples_per_s: float | None = None
     train_loss: float | None = None
-    peaks: list[int] = dataclasses.field(default_factory=list)  # bytes, one per physical device
+    peaks: list[int] = dataclasses.field(default_factory=list)  # bytes, one per physical device, steady state
+    warmup_peaks: list[int] = dataclasses.field(default_factory=list)  # bytes, the steps before (the check included)
+    since: int | None = None  # the step after which the peaks were reset (None: never, the run stopped before)
+    check_settled: bool | None = None  # hf_parallel's check of its loss head then (None: stock, which has none)
     failure: str | None = None  # "out of memory", or the error that stopped the run
     largest: int | None = None
     largest_exact: bool = True
@@ -100,13 +105,37 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-class StepTimer(transformers.TrainerCallback):
-    """Seconds of each optimizer step after the first `warmup`, the devices synchronised at both ends."""
+class SteadyState(transformers.TrainerCallback):
+    """
+    Times each optimizer step (the devices synchronised at both ends) and resets the devices' peak memory statistics
+    at the end of step `warmup`, and again at the end of each later step while hf_parallel's check of its loss head
+    against the model's own loss is undecided (as long as a step remains): the peaks read after training and the
+    `times` kept are those of the steps after `since`, steady state. The first step allocates the optimizer state; a
+    checked forward keeps the labels in the model's inputs (several logits-sized buffers per replica in backward: two
+    more fp32 ones, 2·B·T·V·4 bytes, are about 17 GB at B = 8, T = 2048, V = 128k), for up to `MAX_CHECKS` (8) steps
+    on an untrained model whose loss cannot tell the candidate heads apart.
+
+    Attributes:
+        exact (`ExactLoss` or `None`): the Trainer's `exact` (hf_parallel's; stock has no check), set by `train`.
+        since (`int` or `None`): the step after which the peaks were last reset (None: not reached).
+        check_settled (`bool` or `None`): whether the check had settled then (None: no check, stock).
+        warmup_peaks (`list[int]`): per device, the peak of the steps up to `since`.
+    """
 
     def __init__(self, warmup: int, devices: list[int]):
         self.warmup, self.devices = warmup, devices
-        self.times: list[float] = []
+        self.exact: ExactLoss | None = None
+        self.since: int | None = None
+        self.check_settled: bool | None = None
+        self.warmup_peaks = [0] * len(devices)
+        self.step_times: dict[int, float] = {}
         self._start = 0.0
+
+    @property
+    def times(self) -> list[float]:
+        """Seconds of each step after `since` (after `warmup` when it was not reached)."""
+        first = self.warmup if self.since is None else self.since
+        return [seconds for step, seconds in self.step_times.items() if step > first]
 
     def on_step_begin(self, args, state, control, **kwargs):
         synchronize(self.devices)
@@ -114,8 +143,18 @@ class StepTimer(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         synchronize(self.devices)
-        if state.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self._start)
+        step = state.global_step
+        self.step_times[step] = time.perf_counter() - self._start
+        # At the end of the warm-up, then again while the check is undecided; never at the last step (none would
+        # be left to measure).
+        due = self.since is None or self.check_settled is False
+        if not due or step < self.warmup or step >= state.max_steps:
+            return
+        for i, d in enumerate(self.devices):
+            self.warmup_peaks[i] = max(self.warmup_peaks[i], torch.cuda.max_memory_allocated(d))
+            torch.cuda.reset_peak_memory_stats(d)
+        self.since = step
+        self.check_settled = None if self.exact is None else self.exact.checks_settled
 
 
 def synchronize(devices: list[int]) -> None:
@@ -186,10 +225,17 @@ def make_trainer(config: Config, bench: Bench, model, batch: int, max_steps: int
     return trainer
 
 
-def train(config: Config, bench: Bench, model, batch: int, max_steps: int, callbacks=()) -> tuple[float, str]:
-    """`max_steps` steps of `batch` rows through the configuration's Trainer: the mean loss and the wrapper's name."""
+def train(
+    config: Config, bench: Bench, model, batch: int, max_steps: int, steady: SteadyState | None = None
+) -> tuple[float, str]:
+    """
+    `max_steps` steps of `batch` rows through the configuration's Trainer, timed and measured by `steady` if given
+    (which then watches hf_parallel's check): the mean loss and the wrapper's name.
+    """
     with tempfile.TemporaryDirectory() as output_dir, parallel(bench):
-        trainer = make_trainer(config, bench, model, batch, max_steps, output_dir, callbacks)
+        trainer = make_trainer(config, bench, model, batch, max_steps, output_dir, [] if steady is None else [steady])
+        if steady is not None:
+            steady.exact = getattr(trainer, "exact", None)  # hf_parallel's ExactLoss; the stock Trainer has none
         output = trainer.train()
         return output.training_loss, type(trainer.model_wrapped).__name__
 
@@ -224,20 +270,21 @@ def measure(config: Config, bench: Bench) -> Result:
             held = torch.cuda.memory_allocated(d) / GIB
             print(f"note: {held:.2f} GiB still allocated on GPU {d} before {config.label} (counted in its peak)")
     model = build_model(bench)
-    timer = StepTimer(args.warmup, devices)
+    steady = SteadyState(args.warmup, devices)
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
     try:
         result.train_loss, result.wrapper = train(
-            config, bench, model, args.batch_size, args.warmup + args.steps, [timer]
+            config, bench, model, args.batch_size, args.warmup + args.steps, steady
         )
-        result.samples_per_s = args.batch_size / statistics.median(timer.times)
+        result.samples_per_s = args.batch_size / statistics.median(steady.times)
     except Exception as error:  # one configuration's failure must not lose the others' figures
         result.failure = "out of memory" if is_out_of_memory(error) else f"{type(error).__name__} (see stderr)"
         if result.failure != "out of memory":
             traceback.print_exc()
-    # Read after a failure too: how far it got.
+    # Read after a failure too: how far it got (since None: from the start, the warm-up included).
     result.peaks = [torch.cuda.max_memory_allocated(d) for d in devices]
+    result.warmup_peaks, result.since, result.check_settled = steady.warmup_peaks, steady.since, steady.check_settled
     release(devices, model)
     if args.search and result.failure is None:
         result.largest, result.largest_exact = largest_batch(config, bench, model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
@@ -16,6 +17,9 @@ from .chunking import gpu0_balance
 from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
 from .unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
 from .validation import check_whole_number
+
+if TYPE_CHECKING:
+    from .exact import ExactLoss
 
 logger = logging.get_logger(__name__)
 
@@ -102,12 +106,21 @@ class CleanCheckpointCallback(TrainerCallback):
 # ---- Per-device peak memory and the gpu0_bsz advisor (issue 4) ----
 
 
-def _data_parallel_devices(args) -> list[int]:
-    """CUDA devices this process trains on: all of them under DataParallel, its own under DDP, none on CPU."""
+def _data_parallel_devices(args, model: torch.nn.Module | None = None) -> list[int]:
+    """
+    The CUDA devices this process trains on, one per DataParallel replica (an id repeats where replicas share a GPU):
+    the `device_ids` of the DataParallel `model` the Trainer holds when it was handed one; under the wrapper a Trainer
+    builds itself (`args.n_gpu > 1`), torch's default, every visible GPU; the process's own GPU under DDP or on one
+    GPU; none on CPU.
+    """
     if not torch.cuda.is_available():
         return []
+    if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+        return list(model.device_ids)  # ints: DataParallel.__init__ turns devices into their indices
     if args.n_gpu > 1:
-        return list(range(args.n_gpu))
+        # Not range(n_gpu): n_gpu may be set above the GPUs there are, e.g. two replicas on one GPU (device_ids
+        # [0, 0]), where reading device 1 fails with "invalid device ordinal".
+        return list(range(torch.cuda.device_count()))
     device = args.device
     return [device.index or 0] if device.type == "cuda" else []
 
@@ -115,11 +128,14 @@ def _data_parallel_devices(args) -> list[int]:
 class PeakMemoryCallback(TrainerCallback):
     """
     Add each GPU's peak allocated memory since the previous log (`torch.cuda.max_memory_allocated`) to every log,
-    as `peak_memory_gpu{i}_mib`: all GPUs under `nn.DataParallel`, the process's own GPU under DDP, nothing on CPU.
+    as `peak_memory_gpu{i}_mib`: under `nn.DataParallel` the GPUs of its `device_ids` (each once), the process's own
+    GPU under DDP, nothing on CPU.
 
     The values go into the `logs` dict and the last `state.log_history` entry, so the callbacks after this one (the
     progress bar, your own) see them. The `report_to` integrations run before callbacks you pass to the Trainer; to
     send the figures to them, put this callback first: `trainer.callback_handler.callbacks.insert(0, callback)`.
+    The first logs' peaks include the first steps' own costs: the optimizer state being allocated and, with
+    `hf_parallel.Trainer`, the check of its loss head against the model's own loss (usually the first step alone).
 
     Args:
         reset (`bool`, *optional*, defaults to `True`):
@@ -136,8 +152,8 @@ class PeakMemoryCallback(TrainerCallback):
     def __init__(self, reset: bool = True):
         self.reset = reset
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        devices = _data_parallel_devices(args)
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        devices = sorted(set(_data_parallel_devices(args, model)))
         if logs is None or not devices:
             return
         peaks = {f"peak_memory_gpu{d}_mib": round(torch.cuda.max_memory_allocated(d) / 2**20, 1) for d in devices}
@@ -149,10 +165,10 @@ class PeakMemoryCallback(TrainerCallback):
             state.log_history[-1].update(peaks)
 
 
-def _advice(steps: int, peaks: list[float], rows: list[int], static: float, suggestion: int) -> str:
+def _advice(steps: tuple[int, int], peaks: list[float], rows: list[int], static: float, suggestion: int) -> str:
     """The advisor's warning: the suggestion, or why no `gpu0_bsz` evens the load (`gpu0_balance` below 0 rows)."""
     gib = ", ".join(f"{p / 2**30:.2f}" for p in peaks)
-    measured = f"gpu0_bsz advisor: after {steps} steps with rows {rows} per GPU, peak memory {gib} GiB"
+    measured = f"gpu0_bsz advisor: over steps {steps[0]}-{steps[1]} with rows {rows} per GPU, peak memory {gib} GiB"
     balance = gpu0_balance(peaks, rows, static)
     if balance.rows >= 0:
         return f"{measured}; gpu0_bsz={suggestion} should even it out (batches of {sum(rows)} rows)."
@@ -176,20 +192,39 @@ def replica_static_bytes(model: torch.nn.Module) -> float:
     return float(copies + gradients)
 
 
+def _rows_in_use(args, replicas: int) -> list[int]:
+    """The rows of each replica in a step: the `gpu0_bsz` / `gpu0_weight` split if set, else torch's chunks."""
+    gpu0_bsz, gpu0_weight = getattr(args, "gpu0_bsz", None), getattr(args, "gpu0_weight", None)
+    if gpu0_bsz is not None or gpu0_weight is not None:
+        return balanced_chunk_sizes(args.train_batch_size, replicas, gpu0_bsz, gpu0_weight)
+    rows = torch_chunk_sizes(args.train_batch_size, replicas)
+    return rows + [0] * (replicas - len(rows))
+
+
 class Gpu0BszAdvisorCallback(TrainerCallback):
     """
-    Under `nn.DataParallel`, measure each GPU's peak memory over the first `after_steps` optimizer steps and log the
-    `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
-    `gpu0_bsz_suggested` in the next log. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set,
-    else torch's even chunks. The per-row memory cost is estimated on the other GPUs, net of a replica's static memory
-    (`replica_static_bytes`: its parameter and buffer copies, and the gradients of its trainable parameters). When
-    even `gpu0_bsz=0` would leave GPU 0 the highest, no value evens the load: the warning says so, with the predicted
-    peaks, and `gpu0_bsz_suggested` is 0, the closest value.
-    Does nothing on CPU, on one GPU and under DDP.
+    Under `nn.DataParallel`, measure each GPU's peak memory over `after_steps` optimizer steps of steady state and log
+    the `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
+    `gpu0_bsz_suggested` in the next log. The steps measured follow the first one (which allocates the optimizer
+    state) and, given `exact`, the check of `hf_parallel.Trainer`'s loss head against the model's own loss (whose
+    forward keeps the labels: several logits-sized buffers per replica in backward, for as long as the check is
+    undecided): the peak statistics are reset when they start, so a `PeakMemoryCallback` log of that interval starts
+    there too. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set, else torch's even chunks. The
+    per-row memory cost is estimated on the other GPUs, net of a replica's static memory (`replica_static_bytes`: its
+    parameter and buffer copies, and the gradients of its trainable parameters). When even `gpu0_bsz=0` would leave
+    GPU 0 the highest, no value evens the load: the warning says so, with the predicted peaks, and
+    `gpu0_bsz_suggested` is 0, the closest value.
+    Does nothing on CPU, on one GPU (replicas sharing it included) and under DDP.
 
     Args:
         after_steps (`int`, *optional*, defaults to 3):
-            Optimizer steps to measure before suggesting (the first step allocates the optimizer state).
+            Optimizer steps to measure, after the first one (and the check, given `exact`).
+        exact (`hf_parallel.exact.ExactLoss`, *optional*):
+            `trainer.exact` of the `hf_parallel.Trainer` it advises (which sets it at `train()` where it is not
+            given): the steps are measured once its check has settled. Without it (a stock Trainer) the check is
+            taken to settle in the first step, as it does unless the model's own loss
+            cannot tell the candidate heads apart (an untrained model: then for up to 8 steps,
+            `hf_parallel.exact.selfcheck.MAX_CHECKS`).
 
     ```python
     from hf_parallel import Gpu0BszAdvisorCallback, Trainer
@@ -200,36 +235,43 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
     ```
     """
 
-    def __init__(self, after_steps: int = 3):
+    def __init__(self, after_steps: int = 3, exact: ExactLoss | None = None):
         self.after_steps = check_whole_number("after_steps", after_steps, minimum=1)
+        self.exact = exact
         self.suggestion: int | None = None
         self.measured: dict | None = None
         self._pending_log = False
+        # The optimizer step after which the peaks were reset: the steps measured are the ones that follow it.
+        self._since: int | None = None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.measured is not None or state.global_step < self.after_steps:
+        if self.measured is not None:
             return
-        devices = _data_parallel_devices(args)
-        if len(devices) < 2 or args.parallel_mode != ParallelMode.NOT_DISTRIBUTED:
-            self.measured = {}  # nothing to balance: decided once
+        devices = _data_parallel_devices(args, model)
+        gpus = len(set(devices))
+        if gpus < 2 or gpus < len(devices) or args.parallel_mode != ParallelMode.NOT_DISTRIBUTED:
+            self.measured = {}  # nothing to balance (replicas sharing a GPU have one peak between them): decided once
             return
-        batch_size = args.per_device_train_batch_size * len(devices)
-        gpu0_bsz, gpu0_weight = getattr(args, "gpu0_bsz", None), getattr(args, "gpu0_weight", None)
-        if gpu0_bsz is not None or gpu0_weight is not None:
-            rows = balanced_chunk_sizes(batch_size, len(devices), gpu0_bsz, gpu0_weight)
-        else:
-            rows = torch_chunk_sizes(batch_size, len(devices))
-            rows += [0] * (len(devices) - len(rows))
+        if self._since is None:
+            if self.exact is None or self.exact.checks_settled:
+                for d in devices:
+                    torch.cuda.reset_peak_memory_stats(d)
+                self._since = state.global_step
+            return
+        if state.global_step - self._since < self.after_steps:
+            return
+        rows = _rows_in_use(args, len(devices))
         peaks = [float(torch.cuda.max_memory_allocated(d)) for d in devices]
         static = replica_static_bytes(model) if model is not None else 0.0
-        self.measured = {"peaks": peaks, "rows": rows, "static": static}
+        steps = (self._since + 1, state.global_step)
+        self.measured = {"peaks": peaks, "rows": rows, "static": static, "steps": steps}
         try:
             self.suggestion = suggest_gpu0_bsz(peaks, rows, static)
         except ValueError as reason:
             logger.warning(f"gpu0_bsz advisor: no suggestion ({reason})")
             return
         self._pending_log = True
-        logger.warning(_advice(state.global_step, peaks, rows, static, self.suggestion))
+        logger.warning(_advice(steps, peaks, rows, static, self.suggestion))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending_log and logs is not None:

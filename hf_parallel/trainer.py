@@ -14,6 +14,7 @@ from transformers.trainer import _is_peft_model
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
+from .callbacks import Gpu0BszAdvisorCallback
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .exact import ExactLoss, LossHead, StepCounts, pull_batches
@@ -268,6 +269,9 @@ class TrainerMixin:
     ):
         check_not_empty(self.train_dataset, "train_dataset")
         self._undo_evaluation_only_prepare()
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, Gpu0BszAdvisorCallback) and callback.exact is None:
+                callback.exact = self.exact  # it measures once the check of the loss head has settled
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _undo_evaluation_only_prepare(self) -> None:

@@ -165,6 +165,57 @@ def test_device_ids_may_repeat_a_device_as_on_one_gpu():
     assert [c["rows"] for c in model.calls] == [2, 1]
 
 
+class _Records(torch.nn.Module):
+    """Records, per replica (by its first value), whether its input shares the storage of `batch`."""
+
+    def __init__(self, batch: torch.Tensor):
+        super().__init__()
+        self.batch, self.w = batch, torch.nn.Parameter(torch.ones(()))
+        self.views: dict[float, bool] = {}
+
+    def forward(self, x):
+        self.views[float(x[0, 0])] = x.untyped_storage().data_ptr() == self.batch.untyped_storage().data_ptr()
+        return x * self.w
+
+
+def test_scatter_gives_views_of_the_batch_for_its_own_device():
+    # torch::cuda::scatter copies only the pieces bound for another device than the batch's: with device_ids=[0, 0]
+    # (two replicas on one GPU) each replica gets a view of the caller's batch (an in-place op in one changes it).
+    batch = torch.arange(8.0).reshape(4, 2)
+    model = _Records(batch)
+    with simulate_data_parallel(1):
+        torch.nn.DataParallel(model, device_ids=[0, 0])(batch)
+    assert model.views == {0.0: True, 4.0: True}
+    model = _Records(batch)
+    with simulate_data_parallel(2):
+        torch.nn.DataParallel(model)(batch)
+    assert model.views == {0.0: True, 4.0: False}  # device 1's piece is a copy
+
+
+def test_gather_casts_to_the_first_pieces_dtype_as_cuda_does():
+    # torch::cuda::gather allocates one buffer like the first piece and copies every piece into it: a replica whose
+    # output has another dtype is cast to the first's, where torch.cat would promote both (here to float32).
+    class FirstInHalf(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.half() if x.size(0) > 2 else y
+
+    model = FirstInHalf()
+    with simulate_data_parallel(2) as emulation:
+        out = torch.nn.DataParallel(model)(torch.ones(5, 2))  # rows [3, 2]: float16, then float32
+        out.float().sum().backward()  # the float16 gradient of the second piece is cast back by autograd
+        gathered = comm.gather([torch.ones(2, 3, dtype=torch.bfloat16), torch.full((1, 3), 1.5).double()], 0, 0)
+    assert out.dtype == torch.float16 and emulation.gathered_bytes[0] == 5 * 2 * 2
+    torch.testing.assert_close(model.linear.weight.grad, torch.full((2, 2), 5.0))
+    assert gathered.dtype == torch.bfloat16 and gathered[:, 0].tolist() == [1.0, 1.0, 1.5]
+    with simulate_data_parallel(2), pytest.raises(RuntimeError, match="index 1 has invalid shape"):
+        comm.gather([torch.ones(2, 3), torch.ones(1, 1)], 0, 0)  # copy_ alone would broadcast it
+
+
 def test_simulated_training_args(tmp_path):
     args = simulated_training_args(
         3, transformers.TrainingArguments, output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none"

@@ -149,6 +149,16 @@ class ExactLoss(SelfCheck):
         self._heads[self._key(model, loss_func)] = (model, head)  # problem_type may be settled now
         return head
 
+    @property
+    def checks_settled(self) -> bool:
+        """
+        Whether the check against the model's own loss (`SelfCheck`) is decided for every head chosen so far, so that
+        no later forward carries it (a checked forward keeps the labels in the model's inputs: its backward holds
+        several logits-sized buffers per replica where a plain one holds one). True before any head is chosen and for
+        heads that need no check (the stock loss, a `compute_loss_func`'s head: `_key(...)[2]`).
+        """
+        return all(head is None or key[2] or self._checks.get(key, 0) < 0 for key, (_, head) in self._heads.items())
+
     @staticmethod
     def _key(model: nn.Module, loss_func: Callable | None) -> tuple:
         # Asked twice a micro-batch, keyed on what can change: the model (model_init), a classifier's problem_type.

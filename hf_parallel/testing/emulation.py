@@ -10,8 +10,9 @@ backwards (so a parameter a replica did not use gets a **zero** gradient from `B
 Only what touches a CUDA device is replaced, each by the same operation on the CPU:
 
 - the C++ copies `torch._C._broadcast_coalesced` (the source tensors for the first device, detached copies for the
-  others), `torch._C._scatter` (split or chunk: a view for the first device, copies for the others) and
-  `torch._C._gather` (concatenation);
+  others), `torch._C._scatter` (split or chunk: views of the source for the pieces bound for its device, virtual
+  device 0, repeated ids included; copies for the others) and `torch._C._gather` (one buffer of the first piece's
+  dtype, each piece copied into it);
 - `comm.reduce_add`, whose only CPU-capable branch is not reachable with CPU tensors (a plain sum);
 - the "not implemented for CPU tensors" checks at the top of `Broadcast.forward` and `Gather.forward` (the rest of
   both is done here as torch does it);
@@ -50,6 +51,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.nn.parallel import _functions, comm
 
 from ..validation import check_whole_number
@@ -100,15 +102,40 @@ class Emulation:
     def scatter(self, tensor, devices, chunk_sizes, dim, streams):
         pieces = tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None else tensor.chunk(len(devices), dim)
         self.chunk_sizes.append([piece.size(dim) for piece in pieces])
-        # As on GPUs: the piece for the source device is a view of the tensor, every other device gets its own copy
-        # (views would share one version counter, so an in-place op in one replica would break another's backward).
-        return [pieces[0].contiguous(), *(piece.clone(memory_format=torch.contiguous_format) for piece in pieces[1:])]
+        # As torch::cuda::scatter does: a piece bound for the source's own device (virtual device 0: the CPU) stays a
+        # view of the tensor, as every piece does with device_ids=[0, 0] on one GPU; a piece bound for another device
+        # is copied there (`.to(device, memory_format=torch.preserve_format)`, i.e. a clone keeping dense strides).
+        # Views share the batch's version counter: an in-place op in one replica can break another's backward, on one
+        # GPU as here. Not strict: chunk gives fewer pieces than devices when the rows run out (5 rows on 4: 3 pieces).
+        return [piece if device == 0 else piece.clone() for piece, device in zip(pieces, devices, strict=False)]
 
     def gather(self, tensors, dim, destination):
-        with torch.autocast("cpu", enabled=False):  # a copy into one buffer, not an op autocast may recast
-            gathered = torch.cat(list(tensors), dim)
+        # As torch::cuda::gather does: one buffer of the first piece's dtype and memory format, each piece copied
+        # into it, so a piece of another dtype is cast to the first's (torch.cat would promote them all instead).
+        first = tensors[0]
+        dim = dim + first.dim() if dim < 0 else dim
+        for i, tensor in enumerate(tensors):
+            if tensor.dim() != first.dim() or any(
+                tensor.size(d) != first.size(d) for d in range(first.dim()) if d != dim
+            ):
+                # copy_ would broadcast a piece of another shape where torch raises.
+                raise RuntimeError(
+                    f"Input tensor at index {i} has invalid shape {list(tensor.shape)}, but expected "
+                    f"{list(first.shape)} except along dimension {dim}"
+                )
+        size = list(first.shape)
+        size[dim] = sum(tensor.size(dim) for tensor in tensors)
+        gathered = torch.empty(size, dtype=first.dtype, memory_format=_memory_format(tensors))
+        for piece, tensor in zip(gathered.split([t.size(dim) for t in tensors], dim), tensors, strict=True):
+            piece.copy_(tensor)
         self.gathered_bytes.append(gathered.numel() * gathered.element_size())
         return gathered
+
+
+def _memory_format(tensors: Sequence[torch.Tensor]) -> torch.memory_format:
+    # torch::cuda::gather keeps the first piece's suggested memory format when every piece has it, else contiguous.
+    first = suggest_memory_format(tensors[0])
+    return first if all(suggest_memory_format(t) == first for t in tensors) else torch.contiguous_format
 
 
 def _reduce_add(inputs, destination=None):
