@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
@@ -215,3 +216,47 @@ def test_half_precision_loss_is_judged_at_hundreds_of_items(name):
     if name != "llama":
         stock = run_case(_case(name, build, short.rows, torch.float16), GA2, stock=True, train_rows=ROWS, eval_rows=0)
         assert stock["loss"] / loss == pytest.approx(2.0, rel=0.2)
+
+
+class SavedLogits(transformers.TrainerCallback):
+    """
+    How many logits-sized tensors (`[..., vocabulary]`, at least `min_numel` entries: not the LM head's weight) each
+    optimizer step's forwards keep for the backward (autograd's saved-tensor hooks, deduplicated by storage): one per
+    micro-batch for the model's own cross-entropy (its log-softmax).
+    """
+
+    def __init__(self, vocab: int, min_numel: int):
+        self.vocab, self.min_numel, self.per_step, self._seen = vocab, min_numel, [], {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.shape[-1] == self.vocab and tensor.numel() >= self.min_numel:
+            # Kept until the step ends, so that no later buffer can reuse the address of one counted already.
+            storage = tensor.untyped_storage()
+            self._seen[storage.data_ptr()] = storage
+        return tensor
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._hooks.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step.append(len(self._seen))
+        self._seen = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._hooks.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_the_checked_step_keeps_no_more_logits_for_backward_than_stock(name):
+    """The check compares the candidate heads without autograd and takes the step's gradient from the model's own
+    loss: its forward keeps as many logits-sized buffers for the backward as stock's (it kept three per forward)."""
+    build, rows = REAL_SIZE_CASES[name]
+    case = Case(name, lambda seed: build(seed, torch.float32), lambda n, seed: rows(n, seed, target=40))
+    saved = {}
+    for side in ("stock", "hf_parallel"):
+        record = SavedLogits(VOCAB, min_numel=40 * VOCAB)  # a row's logits; the LM head's weight is 16 x VOCAB
+        run_case(case, GA2, stock=side == "stock", train_rows=2 * ROWS, eval_rows=0, max_steps=2, callbacks=(record,))
+        saved[side] = record.per_step
+    assert saved["stock"] == [2, 2]  # one log-softmax per micro-batch
+    assert saved["hf_parallel"] == saved["stock"]

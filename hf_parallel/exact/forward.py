@@ -34,6 +34,7 @@ for batch in batches:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from .counts import StepCounts, sequence_length
 from .heads import CrossEntropyHead, LossHead
 from .remainder import REAL_ROWS_KEY
 from .replicas import is_data_parallel, outputs_device, run_in_replicas, takes_use_cache, without_cache
-from .selfcheck import fused_outputs
+from .selfcheck import fused_outputs, takes_gradient_from_loss
 
 __all__ = ["accepts_item_count", "batch_device", "can_use_model_loss", "micro_batch_loss"]
 
@@ -212,7 +213,10 @@ class _Forward:
         else:
             total = self.total
             here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
-            terms = exact.terms(head, outputs, labels, inputs, loss_func=self.loss_func, total=here)
+            # A checked forward whose gradient comes from the model's own loss computes the head only to compare.
+            from_loss = self.check is not None and self.loss_func is None and takes_gradient_from_loss(head, outputs)
+            with torch.no_grad() if from_loss else contextlib.nullcontext():
+                terms = exact.terms(head, outputs, labels, inputs, loss_func=self.loss_func, total=here)
         if self.check is not None:
             terms.update(exact.check_terms(self.check, outputs, labels, inputs, terms, count if self.probe else None))
         if not self.keep:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "IGNORE_INDEX",
+    "NO_GRAD_CHUNK_ELEMENTS",
     "CrossEntropyHead",
     "LossHead",
     "MultiLabelHead",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+#: Logits entries per chunk of a per-position loss computed without autograd (64 MiB of float32).
+NO_GRAD_CHUNK_ELEMENTS = 2**24
 
 
 def _logits(outputs, key: str = "logits") -> torch.Tensor:
@@ -53,8 +56,19 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, smoothing: float =
             `(1 - eps) * nll + eps * mean over the vocabulary of -log p`.
     """
     vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab).float()
+    flat_logits = logits.reshape(-1, vocab)
     flat_targets = targets.reshape(-1).to(flat_logits.device)
+    positions = max(1, NO_GRAD_CHUNK_ELEMENTS // vocab)
+    if not torch.is_grad_enabled() and flat_logits.shape[0] > positions:
+        # Without autograd nothing is kept for a backward: a chunk's float copy and log-softmax at a time, not the
+        # whole batch's (a logits-sized buffer more at the peak of a check or an evaluation, for an LLM's vocabulary).
+        chunks = zip(flat_logits.split(positions), flat_targets.split(positions), strict=True)
+        return torch.cat([_flat_token_losses(lg, tg, smoothing) for lg, tg in chunks]).view(targets.shape)
+    return _flat_token_losses(flat_logits, flat_targets, smoothing).view(targets.shape)
+
+
+def _flat_token_losses(flat_logits: torch.Tensor, flat_targets: torch.Tensor, smoothing: float) -> torch.Tensor:
+    flat_logits = flat_logits.float()
     if smoothing == 0:
         losses = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="none")
     else:
@@ -62,7 +76,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, smoothing: float =
         valid = flat_targets.ne(IGNORE_INDEX)
         nll = neg_log_probs.gather(-1, flat_targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         losses = ((1 - smoothing) * nll + smoothing * neg_log_probs.mean(-1)) * valid
-    return losses.view(targets.shape)
+    return losses
 
 
 class LossHead:

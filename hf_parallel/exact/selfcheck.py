@@ -66,6 +66,7 @@ __all__ = [
     "decide",
     "fused_outputs",
     "replica_check",
+    "takes_gradient_from_loss",
     "tolerance",
     "with_model_loss",
 ]
@@ -135,6 +136,7 @@ def replica_check(
     sample_terms: Callable[[LossHead], tuple[torch.Tensor, torch.Tensor]],
     known: dict[LossHead, tuple[torch.Tensor, torch.Tensor]] | None = None,
     count: torch.Tensor | None = None,
+    gradient_from_loss: bool = False,
 ) -> dict[str, torch.Tensor]:
     """
     What one forward (one DataParallel replica's rows) says about the candidates: `check_fits` `[1, K]`, 1 where
@@ -143,8 +145,9 @@ def replica_check(
     the first candidate's, for the warning (means); `check_honours` `[1, 1]`, 1 where the loss divided its sum by
     `count`, 0 where it did not, NaN where not known or no `count` was given; `model_loss` `[1]`, the model's loss as
     the mean of its items (with its graph: the stock loss of this forward if no candidate fits); `sums_k` and
-    `counts_k`, the terms of candidate k > 0, in case it is chosen. `[1, ...]`, not 0-dim, so that DataParallel
-    gathers one row per replica; the same keys from every replica.
+    `counts_k`, the terms of candidate k > 0, in case it is chosen; and, where autograd is on, `graph_sums` `[1, K]`:
+    candidate k's loss sum S_k with the graph to back-propagate if it is chosen. `[1, ...]`, not 0-dim, so that
+    DataParallel gathers one row per replica; the same keys from every replica.
 
     Args:
         candidates (`tuple[LossHead, ...]`): from `candidate_heads`.
@@ -152,6 +155,8 @@ def replica_check(
         sample_terms (`Callable`): `[samples, terms]` loss sums and item counts of a head on these outputs.
         known (`dict`, *optional*): terms computed already, by their head.
         count (`torch.Tensor`, *optional*): the `num_items_in_batch` the model was given (no whole number).
+        gradient_from_loss (`bool`, *optional*): whether S_k is the model's own loss times what it divided by (the
+            candidates' terms were computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
@@ -174,25 +179,68 @@ def replica_check(
     losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
     honours = torch.full((1, 1), float("nan"), device=device)
     check.update(check_fits=fits, check_losses=losses, check_honours=honours)
-    if loss is None:
-        return {**check, "model_loss": torch.zeros(1, device=device)}
-    n = float(count.detach()) if count is not None else None
-    if not has_logits:
-        honours[0, 0] = _honours_by_gradient(loss, count)
-    else:
-        honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses)
-    mean = loss
-    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
-        mean = loss * (n / max(int(first[1].sum()), 1))
-    losses[0, 0] = mean.detach().double()
-    return {**check, "model_loss": mean.reshape(1)}
+    divisors: list[float | None] = [None] * len(candidates)
+    if loss is not None:
+        n = float(count.detach()) if count is not None else None
+        if not has_logits:
+            honours[0, 0] = _honours_by_gradient(loss, count)
+        else:
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors)
+        mean = loss
+        if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
+            mean = loss * (n / max(int(first[1].sum()), 1))
+        losses[0, 0] = mean.detach().double()
+    check["model_loss"] = mean.reshape(1) if loss is not None else torch.zeros(1, device=device)
+    if torch.is_grad_enabled():
+        terms = [terms_of(c) if has_logits else first for c in candidates]
+        sums, counts = [t[0] for t in terms], [t[1] for t in terms]
+        check["graph_sums"] = _graph_sums(sums, counts, loss, divisors, gradient_from_loss)
+    return check
 
 
-def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses) -> float:
+def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
     """
-    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given) and the
-    first candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing
-    fitted or no count was given).
+    Whether a checked forward can take the gradient of its micro-batch from the model's own loss instead of a
+    recomputed head (whose log-softmax would be kept for the backward next to the model's: a logits-sized buffer more,
+    GiBs for an LLM): training, a float32/64 loss with a graph, and a head of one term without label smoothing (a
+    loss of several terms, or smoothed, cannot be read back from the model's mean). The candidates' sums are then
+    computed without autograd, only to compare.
+    """
+    loss = model_loss(outputs)
+    return (
+        torch.is_grad_enabled()
+        and not fused_outputs(outputs)  # a fused loss's terms are the model's own already (`model_terms`)
+        and loss is not None
+        and loss.requires_grad
+        and loss.dtype in (torch.float32, torch.float64)
+        and head.num_terms == 1
+        and compared_head(head) is head
+    )
+
+
+def _graph_sums(sums, counts, loss, divisors, from_loss: bool) -> torch.Tensor:
+    """
+    `[1, K]`: the loss sum of each candidate to back-propagate. From the model's loss L (`from_loss`): L times its
+    divisor where L fits (its items, or the count N it honours), 0 without items (no row of this replica counts:
+    no gradient, as one device gives none for them), else L times the items (a candidate that does not fit here is
+    never chosen). Otherwise the candidates' own sums.
+    """
+    if not from_loss:
+        return torch.stack([s.sum() for s in sums]).reshape(1, -1)
+    values = []
+    for items, divisor in zip((c.sum() for c in counts), divisors, strict=True):
+        if int(items) == 0:
+            values.append(loss.new_zeros(()).float())
+        else:
+            values.append(loss.float() * (divisor if divisor is not None else items.to(loss.device).float()))
+    return torch.stack(values).reshape(1, -1)
+
+
+def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors) -> float:
+    """
+    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given), what the
+    loss divided each fitting candidate's sum by in `divisors`, and the first candidate's mean in `losses`; return
+    whether the loss divided by the count (1 or 0; NaN where nothing fitted or no count was given).
     """
     reference = loss.detach().double()
     divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
@@ -211,6 +259,7 @@ def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, lo
         fits[0, k] = float(as_mean or as_sum)
         if as_sum or as_mean:
             divided.append(as_sum)
+            divisors[k] = n if as_sum else float(counts.sum())
     return float(all(divided)) if n is not None and divided else float("nan")
 
 
@@ -385,9 +434,13 @@ class SelfCheck:
         inputs `split_labels` builds (NaN: not known).
         """
         known = {candidates[0]: (terms["sums"], terms["counts"])}
-        check = replica_check(
-            candidates, outputs, lambda h: self._sample_terms(h, outputs, dict(labels), inputs), known, count
-        )
+        from_loss = takes_gradient_from_loss(candidates[0], outputs)
+
+        def sample_terms(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad() if from_loss else contextlib.nullcontext():
+                return self._sample_terms(head, outputs, dict(labels), inputs)
+
+        check = replica_check(candidates, outputs, sample_terms, known, count, gradient_from_loss=from_loss)
         watch = self._decoder_watch
         unknown = check["check_fits"].new_full((1, 1), torch.nan)
         check["check_decoder"] = watch.matches(labels["labels"]) if watch is not None else unknown
@@ -415,6 +468,10 @@ class SelfCheck:
         head = candidates[verdict.index]
         if verdict.index > 0:
             terms["sums"], terms["counts"] = terms[f"sums_{verdict.index}"], terms[f"counts_{verdict.index}"]
+        if "graph_sums" in terms:
+            # Training: the chosen candidate's sum per replica, with the graph to back-propagate (the model's own loss
+            # where it fits, see `takes_gradient_from_loss`); the per-row sums were computed only to compare.
+            terms["sums"] = terms["graph_sums"][:, verdict.index : verdict.index + 1]
         why = "own loss is that of"
         if verdict.decoder_differs and head.builds_decoder_inputs:
             # This micro-batch is right already: its forward had the labels, its terms come from its own logits.
