@@ -1,7 +1,8 @@
 """
-What the self-check against the model's own loss (`hf_parallel.exact.selfcheck`) costs: the time of the one
-micro-batch that is checked (the model also computes its own loss, every candidate head its terms, then the votes)
-over that of a micro-batch that is not, forward and backward, on a causal LM whose logits dominate (a wide
+What the check of the head against the model's own loss (`hf_parallel.exact.check`) costs: the time of the one
+micro-batch that is checked (the model also computes its own loss, every candidate head its sums without autograd,
+then the votes) over that of a micro-batch once the check has decided (for this causal LM: the model's own loss, given
+the step's count), forward and backward through `micro_batch_loss`, on a causal LM whose logits dominate (a wide
 vocabulary). Only the first micro-batch of a model pays it (more only while a check cannot decide).
 
     python -m benchmarks.selfcheck_cost 2>/dev/null            # about a minute on 2 busy cores
@@ -17,21 +18,15 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_parallel.exact import ExactLoss
-from hf_parallel.exact.selfcheck import decide
+from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
 
 
-def _micro_batch(exact: ExactLoss, model, batch: dict, checked: bool) -> float:
+def _micro_batch(exact: ExactLoss, model, batch: dict) -> float:
     start = time.perf_counter()
     head = exact.head(model, batch)
-    candidates = exact.pending_check(head, model, batch) if checked else None
-    inputs, labels = exact.split_labels(head, batch, model)
-    outputs = model(**inputs, **labels) if checked else model(**inputs)
-    terms = exact.terms(head, outputs, labels, inputs)
-    if checked:
-        terms.update(exact.check_terms(candidates, outputs, labels, inputs, terms))
-        decide(candidates, terms)
-    exact.reduce(head, terms, None).backward()
+    step = exact.count_step(head, [batch])
+    loss, _ = micro_batch_loss(exact, model, head, batch, step, RunContext())
+    loss.backward()
     return time.perf_counter() - start
 
 
@@ -56,12 +51,13 @@ def main(argv: list[str] | None = None) -> float:
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, args.vocab, (args.rows, args.seq))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    exact = ExactLoss()
+    decided = ExactLoss()
+    _micro_batch(decided, model, batch)  # its first micro-batch is checked; the later ones run as decided
     times = {True: [], False: []}
     for _ in range(args.repeats):
         for checked in (False, True):
             model.zero_grad()
-            times[checked].append(_micro_batch(exact, model, batch, checked))
+            times[checked].append(_micro_batch(ExactLoss() if checked else decided, model, batch))
     plain, checked = statistics.median(times[False]), statistics.median(times[True])
     print(
         f"causal LM, vocab {args.vocab}, {args.rows} x {args.seq} tokens: unchecked micro-batch {plain * 1e3:.0f} ms, "

@@ -224,7 +224,7 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
             given): the steps are measured once its check has settled. Without it (a stock Trainer) the check is
             taken to settle in the first step, as it does unless the model's own loss
             cannot tell the candidate heads apart (an untrained model: then for up to 8 steps,
-            `hf_parallel.exact.selfcheck.MAX_CHECKS`).
+            `hf_parallel.exact.check.MAX_CHECKS`).
 
     ```python
     from hf_parallel import Gpu0BszAdvisorCallback, Trainer

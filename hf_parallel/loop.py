@@ -40,11 +40,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from .exact import REAL_ROWS_KEY, ExactLoss, LossHead, StepCounts
-from .exact.forward import batch_device, micro_batch_loss
-from .exact.remainder import EpochEnd, epoch_end
-from .exact.replicas import AUTOCAST_DTYPES, replica_autocast
-from .exact.streams import count_samples
+from .exact import (
+    AUTOCAST_DTYPES,
+    REAL_ROWS_KEY,
+    EpochEnd,
+    ExactLoss,
+    LossHead,
+    RunContext,
+    StepCounts,
+    batch_device,
+    count_samples,
+    epoch_end,
+    micro_batch_loss,
+    replica_autocast,
+)
 from .unwrap import unwrap_model
 from .validation import check_whole_number
 
@@ -186,7 +195,7 @@ class ExactLoop:
                         continue
                     end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
                     batch = self._mark_padding(head, [dict(batch)], end, padding)[0]
-                    micro_batch_loss(self.exact, model, head, batch, None, autocast_dtype=self._autocast_dtype())
+                    micro_batch_loss(self.exact, model, head, batch, None, self._context())
         finally:
             exact = self.exact.finish_evaluation()
             model.train(was_training)
@@ -217,6 +226,10 @@ class ExactLoop:
         else:
             padding.mark(head, batches)
         return batches
+
+    def _context(self) -> RunContext:
+        """What a micro-batch's loss needs of this loop (read at each call: the caller's autocast state may change)."""
+        return RunContext(autocast_dtype=self._autocast_dtype())
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype of DataParallel replicas: the accelerator's mixed precision, else the caller's."""
@@ -286,15 +299,8 @@ class LoopStep:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
             value = _stock_loss(model(**batch)) / len(self.batches)
         else:
-            value, _ = micro_batch_loss(
-                exact,
-                model,
-                head,
-                self.batches[index],  # the step's own copy: marked where it holds padding rows
-                self._counts,
-                autocast_dtype=loop._autocast_dtype(),
-                accumulation_steps=len(self.batches),
-            )
+            # The step's own copy of the batch: marked where it holds padding rows.
+            value, _ = micro_batch_loss(exact, model, head, self.batches[index], self._counts, loop._context())
         self._done[index] = value.detach()
         return value * loop.backward_divides_by
 

@@ -17,13 +17,23 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .callbacks import Gpu0BszAdvisorCallback
 from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
-from .exact import ExactLoss, LossHead, StepCounts, pull_batches
-from .exact.fallback import stock_compute_loss, stock_training_step
-from .exact.forward import micro_batch_loss
-from .exact.heads import CrossEntropyHead
-from .exact.remainder import epoch_end
-from .exact.replicas import is_data_parallel, replica_autocast, replica_precision
-from .exact.streams import count_samples, gather_samples
+from .exact import (
+    CrossEntropyHead,
+    ExactLoss,
+    LossHead,
+    RunContext,
+    StepCounts,
+    count_samples,
+    epoch_end,
+    gather_samples,
+    is_data_parallel,
+    micro_batch_loss,
+    pull_batches,
+    replica_autocast,
+    replica_precision,
+    stock_compute_loss,
+    stock_training_step,
+)
 from .guards import check_launch, check_not_empty
 from .teardown import track_trainer
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
@@ -160,19 +170,13 @@ class TrainerMixin:
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
         if step is None and self.exact.evaluating:
             inputs = self._mark_evaluation_padding(head, inputs)
-        loss, outputs = micro_batch_loss(
-            self.exact,
-            model,
-            head,
-            inputs,
-            step,
+        context = RunContext(
             owner=self.model,
             loss_func=self.compute_loss_func,
-            return_outputs=return_outputs,
             autocast_dtype=replica_autocast(self.accelerator.mixed_precision),
             main_input_name=self._main_input_name(),
-            accumulation_steps=getattr(self, "current_gradient_accumulation_steps", 1) if step is not None else 1,
         )
+        loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
         if not return_outputs:
             return loss
         if outputs is None:

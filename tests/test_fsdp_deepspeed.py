@@ -27,7 +27,7 @@ import transformers
 from transformers.data.data_collator import default_data_collator
 
 from hf_parallel import Trainer, TrainingArguments
-from hf_parallel.exact import ExactLoss, resolve_head
+from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss, resolve_head
 from tests.harness import (
     SGD_STEP,
     SINGLE,
@@ -138,8 +138,7 @@ def _fsdp2_exact_step(case_name: str) -> dict:
         if name == "exact":
             exact = ExactLoss(label_names=list(head.label_keys), num_processes=world, reduce_sum=_all_reduce_sum)
             step = exact.count_step(head, [batch])
-            inputs, labels = exact.split_labels(head, batch, model)
-            loss = exact.loss(head, model(**inputs), labels, step, inputs)
+            loss, _ = micro_batch_loss(exact, model, head, batch, step, RunContext())
         else:
             loss = model(**batch).loss * world
         loss.backward()

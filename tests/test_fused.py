@@ -15,6 +15,7 @@ import torch
 import transformers
 from transformers import default_data_collator
 
+from hf_parallel.exact import Route
 from tests.fused import fuse_loss
 from tests.harness import (
     EVAL_ROWS,
@@ -73,7 +74,7 @@ def test_fused_loss_trains_exactly_without_logits(topology):
     assert max_relative_diff(result["grads"], grads) < TOL
     # Training never built the logits: every training forward took the fused path (in every replica under DP).
     assert all(fused[:trained]) and not any(fused[trained:]) and trained == topology.accumulation * topology.dp_devices
-    assert result["trainer"].exact.head(result["trainer"].model).uses_model_loss
+    assert result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
     # Evaluation (after training, on the trained model) equals the plain model's Σ S / Σ C with the same weights.
     model = llama(0)
     model.load_state_dict(result["params"], strict=False)

@@ -14,10 +14,14 @@ from hf_parallel.exact import (
     ProblemTypeUnsettled,
     QuestionAnsweringHead,
     RegressionHead,
+    Route,
+    RunContext,
     StepCounts,
     UnsupportedHead,
+    micro_batch_loss,
     resolve_head,
 )
+from hf_parallel.exact.forward import sample_terms, split_labels
 from tests.heads import CASES
 from tests.tiny import tiny_bert_classifier
 
@@ -47,7 +51,7 @@ def _batch(case_name: str, rows: int = 6, seed: int = 3) -> dict[str, torch.Tens
 
 
 def _head_loss(model, head, batch) -> torch.Tensor:
-    inputs, labels = ExactLoss().split_labels(head, batch, model)
+    inputs, labels = split_labels(head, batch, model)
     assert not head.has_labels(inputs), "the labels must not reach the model"
     sums, counts = head.row_terms(model(**inputs), labels)
     assert sums.shape == counts.shape == (batch[head.label_keys[0]].shape[0], head.num_terms)
@@ -131,10 +135,7 @@ def test_a_step_is_exact_over_micro_batches():
     assert isinstance(step, StepCounts) and step.scale == 1
     assert step.total().item() == head.count(whole).sum().item()
     with torch.no_grad():
-        micro = []
-        for part in parts:
-            inputs, labels = exact.split_labels(head, part, model)
-            micro.append(exact.loss(head, model(**inputs), labels, step, inputs))
+        micro = [micro_batch_loss(exact, model, head, part, step, RunContext())[0] for part in parts]
         expected = model(**whole).loss
     torch.testing.assert_close(sum(micro), expected, rtol=1e-5, atol=1e-6)
 
@@ -147,8 +148,7 @@ def test_evaluation_divides_once_over_the_whole_set():
     exact.start_evaluation()
     with torch.no_grad():
         for rows in (slice(0, 1), slice(1, 6)):  # very uneven batches: a mean of means would be off
-            inputs, labels = exact.split_labels(head, {k: v[rows] for k, v in whole.items()}, model)
-            exact.loss(head, model(**inputs), labels, None, inputs)
+            micro_batch_loss(exact, model, head, {k: v[rows] for k, v in whole.items()}, None, RunContext())
         expected = model(**whole).loss.item()
     assert exact.finish_evaluation() == pytest.approx(expected, rel=1e-6)
     assert exact.finish_evaluation() is None  # nothing open any more
@@ -171,12 +171,16 @@ def test_a_user_loss_function_gets_the_exact_count():
         seen["count"] = int(num_items_in_batch)
         return outputs["logits"].sum() * 0
 
-    exact = ExactLoss(label_names=["labels"])
-    head = exact.head(torch.nn.Linear(2, 2), loss_func=loss_func, loss_func_shifts=True)
-    assert head.name == "compute_loss_func" and head.shift
+    class Logits(torch.nn.Module):  # a model hf_parallel knows no head of
+        def forward(self, **inputs):
+            return {"logits": torch.ones(1)}
+
+    exact, model = ExactLoss(label_names=["labels"]), Logits()
+    head = exact.head(model, loss_func=loss_func, loss_func_shifts=True)
+    assert head.name == "compute_loss_func" and head.shift and head.route is Route.USER_LOSS
     batches = [{"labels": torch.tensor([[1, 2, 3]])}, {"labels": torch.tensor([[4, -100, -100]])}]
     step = exact.count_step(head, batches)
-    exact.loss(head, {"logits": torch.ones(1)}, batches[0], step, {}, loss_func=loss_func)
+    micro_batch_loss(exact, model, head, batches[0], step, RunContext(loss_func=loss_func))
     assert seen["count"] == 2  # shifted: 2 targets in the first row, none in the second
 
 
@@ -187,16 +191,13 @@ def test_a_packed_row_is_split_into_its_samples():
     model = CASES["llama_causal_lm"].build(0).eval()
     sequences = [row["input_ids"][row["attention_mask"].bool()] for row in CASES["llama_causal_lm"].rows(5, 3)]
     packed = DataCollatorWithFlattening()([{"input_ids": s.tolist(), "labels": s.tolist()} for s in sequences])
-    exact = ExactLoss()
-    head = exact.head(model, packed)
+    head = ExactLoss().head(model, packed)
     with torch.no_grad():
-        inputs, labels = exact.split_labels(head, packed, model)
+        inputs, labels = split_labels(head, packed, model)
         outputs = model(**inputs)
         # In training the samples are added up in one row (counting them would read a value off the device).
-        train_sums, train_counts = exact._sample_terms(head, outputs, dict(labels), inputs)
-        exact.start_evaluation()
-        sums, counts = exact._sample_terms(head, outputs, labels, inputs)
-        exact.finish_evaluation()
+        train_sums, train_counts = sample_terms(head, outputs, dict(labels), inputs, per_sample=False)
+        sums, counts = sample_terms(head, outputs, labels, inputs, per_sample=True)
         assert train_sums.shape == (1, 1) and sums.shape == (len(sequences), 1)
         torch.testing.assert_close(train_sums[0], sums.sum(0))
         assert train_counts[0].item() == counts.sum().item()

@@ -1,5 +1,5 @@
 """
-The model is the judge of its own loss (`hf_parallel.exact.selfcheck`): a sample of each head kind of the model zoo
+The model is the judge of its own loss (`hf_parallel.exact.check`): a sample of each head kind of the model zoo
 (`benchmarks.zoo`) is exact or warned, never silently different, never a crash; a standalone decoder whose loss is
 unshifted is exact in one process, with gradient accumulation, under DataParallel and DDP; the decisions of the
 check; decoder inputs of encoder-decoders without `prepare_decoder_input_ids_from_labels`, and of FSMT, whose forward
@@ -26,10 +26,9 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from benchmarks.zoo import check_model, report
 from benchmarks.zoo_models import zoo_models
-from hf_parallel.exact import CrossEntropyHead
+from hf_parallel.exact import CrossEntropyHead, candidate_heads
 from hf_parallel.exact.decoder import LabelsInForwardHead, decoder_input_ids, watch_decoder
 from hf_parallel.exact.resolve import resolve_head
-from hf_parallel.exact.selfcheck import candidate_heads, decide
 from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
 from tests.heads import CASES, Case, lm_rows, seq2seq_rows
 from tests.tiny import VOCAB
@@ -177,58 +176,9 @@ def test_ddp_ranks_agree_on_the_head_and_stay_exact(ddp_results):
     assert_ddp_exact(BART_DECODER, reference(BART_DECODER), ddp_results)
 
 
-# ---- The decisions of the check --------------------------------------------------------------------------------
-
-
-def _checks(*fits: list[float]) -> dict:
-    rows = torch.tensor(fits, dtype=torch.float64)
-    return {"check_fits": rows, "check_losses": torch.ones(len(fits), 2, dtype=torch.float64)}
-
-
-CANDIDATES = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
-NAN = float("nan")
-
-
-@pytest.mark.parametrize(
-    ("fits", "index", "final"),
-    [
-        ([[1, 0]], 0, True),  # the chosen head fits, the other does not: confirmed
-        ([[0, 1], [0, 1]], 1, True),  # the other fits on every replica: switch
-        ([[1, 1]], 0, False),  # both fit: keep it, check again
-        ([[0, 0]], None, True),  # none fits: the stock loss
-        ([[NAN, NAN]], 0, False),  # nothing to compare: keep it, check again
-        ([[1, 0], [0, 1]], None, True),  # replicas disagree: no head fits every replica
-        ([[NAN, NAN], [0, 1]], 1, True),  # a replica without items does not vote
-    ],
-)
-def test_decide(fits, index, final):
-    verdict = decide(CANDIDATES, _checks(*fits))
-    assert (verdict.index, verdict.final) == (index, final)
-
-
-def test_decide_sums_the_votes_of_every_rank():
-    # This rank's replica fits the chosen head; another rank's does not, and fits the other: every rank switches.
-    # [fit k, miss k, comparisons, loss sums, losses seen, replicas with other decoder inputs, replicas whose loss
-    # honoured the count given, replicas whose loss ignored it]
-    other_rank = torch.zeros(11, dtype=torch.float64)
-    other_rank[1], other_rank[2], other_rank[4] = 1.0, 1.0, 1.0  # fit of 1, miss of 0, one comparison
-    verdict = decide(CANDIDATES, _checks([1, 0]), reduce_sum=lambda votes: votes + other_rank)
-    assert verdict.index is None  # the chosen head missed on one rank, the other on another: no head fits all
-    verdict = decide(CANDIDATES, _checks([0, 1]), reduce_sum=lambda votes: votes + other_rank)
-    assert (verdict.index, verdict.final) == (1, True)
-
-
-def test_decide_switches_on_other_decoder_inputs_on_any_rank():
-    checks = {**_checks([1, 0]), "check_decoder": torch.tensor([[1.0], [NAN]])}
-    assert not decide(CANDIDATES, checks).decoder_differs  # the same inputs, or not known: no switch
-    another_rank_differs = torch.zeros(11, dtype=torch.float64)
-    another_rank_differs[8] = 1.0
-    verdict = decide(CANDIDATES, checks, reduce_sum=lambda votes: votes + another_rank_differs)
-    assert verdict.decoder_differs and (verdict.index, verdict.final) == (0, True)
-
-
 def test_candidates_toggle_the_shift_of_a_per_position_head_only():
-    assert [head.shift for head in CANDIDATES] == [True, False]
+    candidates = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
+    assert [head.shift for head in candidates] == [True, False]
     assert len(candidate_heads(CrossEntropyHead(name="sequence_classification/single_label"))) == 1
 
 

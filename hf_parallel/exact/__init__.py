@@ -1,10 +1,53 @@
 """
-The exact-loss core: per-head loss sums and item counts (`heads`), the head of a model (`resolve`), and `ExactLoss`,
-which turns them into the exact loss of an optimizer step and of an evaluation set (`core`). Nothing here needs a
-Trainer; `hf_parallel.Trainer` calls it from its hooks.
+The exact-loss core. The rule, for one optimizer step of micro-batches m on ranks r, with S the sum of the per-item
+losses and C the item count of the whole step (non-ignored targets after the causal shift, samples, label elements),
+as code that runs on one process:
+
+```python
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+ids = torch.randint(0, 64, (4, 9))
+labels = ids.clone()
+labels[0, 3:] = -100  # uneven rows: a mean of per-micro-batch means would weigh them wrongly
+micro_batches = [(ids[:1], labels[:1]), (ids[1:], labels[1:])]  # gradient accumulation 2 (or 2 DDP ranks)
+world_size = 1  # DDP averages gradients over ranks: each rank multiplies its S / C by it
+
+C = sum(int((y[:, 1:] != -100).sum()) for _, y in micro_batches)  # counted before the step (all-reduced under DDP)
+for x, y in micro_batches:
+    logits = model(input_ids=x).logits[:, :-1]
+    S = F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+    (S / C * world_size).backward()  # the step's gradient: that of the model's own loss on all rows at once
+
+reference = LlamaForCausalLM(model.config)
+reference.load_state_dict(model.state_dict())
+reference(input_ids=ids, labels=labels).loss.backward()
+assert all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(model.parameters(), reference.parameters()))
+```
+
+Evaluation adds S and C over the whole set (padding duplicates left out) and divides once. Each head computes S and
+C its own way (`heads`); a head takes one route (`heads.Route`), set in one place (`heads.routed`):
+
+| route | heads | why |
+|---|---|---|
+| `RECOMPUTED` | every known head (the default) | labels out of the forward, S from the logits |
+| `MODEL_LOSS` | a per-position cross-entropy whose model honours the count | S / C in one forward, no logits (Liger) |
+| `LABELS_IN_FORWARD` | encoder-decoders that build decoder inputs in the forward | the model needs its labels |
+| `USER_LOSS` | any head, with the Trainer's `compute_loss_func` | the user's loss, given C; the head counts |
+
+No head (a model whose loss cannot be recomputed, or a Trainer that overrides `compute_loss`): the stock loss, with
+one warning. The path of one micro-batch, the check and how to add a head family: `docs/contributing.md`.
 """
 
+from .check import MAX_CHECKS, ModelLossCheck
+from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import EvalTotals, ExactLoss, StepCounts, sequence_length
+from .fallback import stock_compute_loss, stock_training_step
+from .forward import RunContext, Terms, batch_device, micro_batch_loss
 from .heads import (
     IGNORE_INDEX,
     CrossEntropyHead,
@@ -12,28 +55,52 @@ from .heads import (
     MultiLabelHead,
     QuestionAnsweringHead,
     RegressionHead,
+    Route,
+    routed,
     token_losses,
 )
-from .remainder import REAL_ROWS_KEY, EpochEnd, pull_batches, real_rows
+from .remainder import REAL_ROWS_KEY, EpochEnd, epoch_end, pull_batches, real_rows
+from .replicas import AUTOCAST_DTYPES, is_data_parallel, replica_autocast, replica_precision
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+from .streams import count_samples, gather_samples
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "IGNORE_INDEX",
+    "MAX_CHECKS",
     "REAL_ROWS_KEY",
-    "EpochEnd",
     "CrossEntropyHead",
+    "EpochEnd",
     "EvalTotals",
     "ExactLoss",
     "LossHead",
+    "ModelLossCheck",
     "MultiLabelHead",
     "ProblemTypeUnsettled",
     "QuestionAnsweringHead",
     "RegressionHead",
+    "ReplicaCheck",
+    "Route",
+    "RunContext",
     "StepCounts",
+    "Terms",
     "UnsupportedHead",
+    "batch_device",
+    "candidate_heads",
+    "count_samples",
+    "epoch_end",
+    "gather_samples",
+    "is_data_parallel",
+    "micro_batch_loss",
     "pull_batches",
     "real_rows",
+    "replica_autocast",
+    "replica_check",
+    "replica_precision",
     "resolve_head",
+    "routed",
     "sequence_length",
+    "stock_compute_loss",
+    "stock_training_step",
     "token_losses",
 ]

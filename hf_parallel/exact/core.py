@@ -1,23 +1,13 @@
 """
-`ExactLoss`: the exact loss of a training run, apart from the Trainer that calls it.
+`ExactLoss`: the state of a run's exact loss, apart from the Trainer that calls it: the head of each model (cached,
+with one warning per reason when it falls back to the stock loss), the check of that head against the model's own
+loss (`hf_parallel.exact.check`), the item counts of each optimizer step, the loss of a micro-batch from its terms,
+and the evaluation totals. `hf_parallel.exact.forward.micro_batch_loss` is the entry that uses it.
 
 For one optimizer step made of micro-batches m on devices d, the loss to back-propagate is S_md / C, where S_md is
 the micro-batch's loss **sum** and C the item **count** of the whole step (all micro-batches, all ranks), counted
 before the step runs; under DDP each rank scales it by the world size, since DDP averages gradients. Evaluation adds
-S and C up over the whole set and divides once. `ExactLoss` owns the choice of head (cached per model, with one
-warning per reason when it falls back to the stock loss), the step counts, the loss and the evaluation totals.
-Its check of the head against the model's own loss is `SelfCheck`'s (`hf_parallel.exact.selfcheck`).
-
-```python
-from hf_parallel.exact import ExactLoss
-
-exact = ExactLoss(label_names=["labels"])
-head = exact.head(model, batches[0])
-step = exact.count_step(head, batches)  # C of the whole step
-for batch in batches:
-    inputs, labels = exact.split_labels(head, batch, model)
-    exact.loss(head, model(**inputs), labels, step, inputs).backward()  # S_m / C
-```
+S and C up over the whole set and divides once.
 """
 
 from __future__ import annotations
@@ -29,32 +19,30 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .check import ModelLossCheck
 from .counts import EvalTotals, StepCounts, sequence_length
-from .decoder import decoder_input_ids, needs_decoder_inputs
 from .fallback import FALLBACK_NOTE
-from .heads import CrossEntropyHead, LossHead
+from .forward import Terms, chosen_terms
+from .heads import CrossEntropyHead, LossHead, Route, routed
 from .remainder import (
     REAL_ROWS_KEY,
+    TARGET_KEYS,
     EpochEnd,
     first_rows,
     mask_padding,
-    packed_sample_ids,
     real_rows,
-    row_mask,
+    sample_ids_of,
     samples_in,
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
-from .selfcheck import SelfCheck
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
 
-# The cross-entropy targets a padding row is masked in.
-_TARGET_KEYS = ("labels", "shift_labels")
 
-logger = logging.get_logger("hf_parallel.trainer")
+logger = logging.get_logger("hf_parallel.exact")
 
 
-class ExactLoss(SelfCheck):
+class ExactLoss:
     """
     The exact loss of one Trainer: head choice, step counts, the loss, evaluation totals.
 
@@ -96,12 +84,12 @@ class ExactLoss(SelfCheck):
             "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
         )
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
-        # Per cached head: how many forwards checked it against the model's own loss so far; -1 once decided.
-        self._checks: dict[tuple, int] = {}
-        # While a checked forward runs: what the model's decoder receives (see `SelfCheck.watching_decoder`).
-        self._decoder_watch = None
-        # The last step's counts and micro-batches (the check may change the head, then the count).
+        #: The check of each model's head against the model's own loss.
+        self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
+        # The last step's counts and micro-batches (the check may change the head, then the count), and the counts
+        # that replace those of a step the check recounted (`current_counts`).
         self._counted: tuple[StepCounts, list[dict], torch.device | None, str] | None = None
+        self._recounted: tuple[StepCounts, StepCounts] | None = None
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
         #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
@@ -146,6 +134,8 @@ class ExactLoss(SelfCheck):
         except UnsupportedHead as reason:
             self.warn_fallback(str(reason))
             head = None
+        if head is not None and loss_func is not None:
+            head = routed(head, Route.USER_LOSS)  # the head counts the items; the user's function is the loss
         self._heads[self._key(model, loss_func)] = (model, head)  # problem_type may be settled now
         return head
 
@@ -157,7 +147,7 @@ class ExactLoss(SelfCheck):
         several logits-sized buffers per replica where a plain one holds one). True before any head is chosen and for
         heads that need no check (the stock loss, a `compute_loss_func`'s head: `_key(...)[2]`).
         """
-        return all(head is None or key[2] or self._checks.get(key, 0) < 0 for key, (_, head) in self._heads.items())
+        return all(head is None or key[2] or self.check.decided(key) for key, (_, head) in self._heads.items())
 
     @staticmethod
     def _key(model: nn.Module, loss_func: Callable | None) -> tuple:
@@ -201,12 +191,19 @@ class ExactLoss(SelfCheck):
         """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
         counts = sum(self._count(head, batch, main_input_name).to(device) for batch in batches)
         if self.num_processes == 1:
-            step = StepCounts(counts, 1)
+            step = StepCounts(counts, 1, len(batches))
         else:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.reduce_sum(counts), self.num_processes)
+            step = StepCounts(self.reduce_sum(counts), self.num_processes, len(batches))
         self._counted = (step, batches, device, main_input_name)
+        self._recounted = None
+        return step
+
+    def current_counts(self, step: StepCounts | None) -> StepCounts | None:
+        """The counts of `step` as they are now: recounted where its first micro-batch's check changed the head."""
+        if step is not None and self._recounted is not None and self._recounted[0] is step:
+            return self._recounted[1]
         return step
 
     def mark_padding(
@@ -235,15 +232,10 @@ class ExactLoss(SelfCheck):
             )
             return
         last = batches[-1]
-        samples = samples_in(last, head.label_keys[0], self._sample_ids(head, last))
+        samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
         real = real_rows(samples, end.remainder, process_index)
         if real is not None and real < samples:
             last[REAL_ROWS_KEY] = real
-
-    @staticmethod
-    def _sample_ids(head: LossHead, batch: dict) -> torch.Tensor | None:
-        # Only per-position heads are packed (several sequences in one row).
-        return packed_sample_ids(batch) if getattr(head, "per_position", False) else None
 
     @staticmethod
     def _count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
@@ -252,110 +244,26 @@ class ExactLoss(SelfCheck):
         if real is None:
             return head.count(batch, seq_len)
         # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
-        sample_ids = ExactLoss._sample_ids(head, batch)
+        sample_ids = sample_ids_of(head, batch)
         if isinstance(head, CrossEntropyHead):
             # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
             # labels counts as this does.
-            return head.count(mask_padding(batch, _TARGET_KEYS, real, sample_ids), seq_len)
+            return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)
         return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
 
-    def split_labels(
-        self, head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True
-    ) -> tuple[dict, dict[str, torch.Tensor]]:
-        """
-        A copy of `inputs` without the labels, and the labels; decoder inputs built when the model (unwrapped with
-        `unwrap`, only then) needs them, unless `build_decoder_inputs=False` (a forward that keeps the labels, where
-        the model builds its own).
-        """
-        inputs = dict(inputs)  # the caller's dict keeps its labels
-        labels = head.pop_labels(inputs)
-        if REAL_ROWS_KEY in inputs:
-            real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
-            if isinstance(head, CrossEntropyHead):
-                # Padding rows ignored in the targets themselves: also for a model that gets its labels.
-                labels = mask_padding(labels, _TARGET_KEYS, real, self._sample_ids(head, inputs))
-        if build_decoder_inputs and needs_decoder_inputs(head, inputs):
-            # The model builds decoder inputs from the labels it no longer receives.
-            inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
-        return inputs, labels
-
-    def loss(
-        self,
-        head: LossHead,
-        outputs,
-        labels: dict[str, torch.Tensor],
-        step: StepCounts | None,
-        inputs: dict,
-        *,
-        loss_func: Callable | None = None,
-        main_input_name: str = "input_ids",
-    ) -> torch.Tensor:
-        """
-        The loss of one micro-batch on one device: S / C of the step in training (`step` given), S / C of the batch
-        otherwise (evaluation, where S and C are also added to the totals). `terms` then `reduce`, in one place.
-        """
-        total = self.user_loss_total(head, labels, step, inputs, main_input_name) if loss_func is not None else None
-        return self.reduce(head, self.terms(head, outputs, labels, inputs, loss_func=loss_func, total=total), step)
-
-    def user_loss_total(
-        self, head: LossHead, labels: dict, step: StepCounts | None, inputs: dict, main_input_name: str = "input_ids"
-    ) -> torch.Tensor:
-        """The item count a user loss (`compute_loss_func`) divides by: the step's, or the batch's in evaluation."""
-        return step.total() if step is not None else head.count(labels, sequence_length(inputs, main_input_name)).sum()
-
-    def model_terms(
-        self, head: LossHead, outputs, labels: dict, seq_len: int | None, count: torch.Tensor | int
-    ) -> dict[str, torch.Tensor]:
-        """
-        The terms of a forward whose loss is the model's own, given `count` as `num_items_in_batch` (see
-        `hf_parallel.exact.forward`): `{"sums": [[S]], "counts": [[C]]}`, S = loss x count, C counted from the labels.
-        """
-        loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if outputs else None)
-        if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise ValueError(
-                f"exact_loss: the {head.name} loss is taken from the model, given its labels, but its forward "
-                f"returned no loss ({type(outputs).__name__}). Return the loss when labels are given, or set "
-                "exact_loss=False."
-            )
-        targets = {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
-        sums = (loss.float() * (count.detach() if torch.is_tensor(count) else count)).reshape(1, 1)
-        return {"sums": sums, "counts": head.count(targets, seq_len).to(sums.device).reshape(1, -1)}
-
-    def terms(
-        self,
-        head: LossHead,
-        outputs,
-        labels: dict[str, torch.Tensor],
-        inputs: dict,
-        *,
-        loss_func: Callable | None = None,
-        total: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """
-        What a forward contributes to the loss, computed where its outputs are (in a DataParallel replica: for its
-        rows, on its device): `{"sums": [samples, terms], "counts": [samples, terms]}`, or `{"user_loss": loss}` for a
-        user `loss_func`, called with `total` items. Per-sample tensors, so that replicas' terms concatenate.
-        """
-        if loss_func is not None:
-            loss = loss_func(outputs, labels["labels"], num_items_in_batch=total)
-            # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
-            return {"user_loss": loss.reshape(1) if loss.dim() == 0 else loss}
-        sums, counts = self._sample_terms(head, outputs, labels, inputs)
-        return {"sums": sums, "counts": counts}
-
-    def reduce(self, head: LossHead, terms: dict[str, torch.Tensor], step: StepCounts | None) -> torch.Tensor:
+    def reduce(self, head: LossHead, terms: Terms, step: StepCounts | None) -> torch.Tensor:
         """
         The loss from `terms` (one forward's, or every replica's gathered): S / C of the step in training (`step`
         given), S / C of the batch otherwise, S and C then added to the evaluation totals.
         """
-        if "user_loss" in terms:
+        if terms.user_loss is not None:
             # One value per replica under DataParallel (each divided by the whole count already): their sum.
-            return terms["user_loss"].sum() * (step.scale if step is not None else 1)
-        row_sums, row_counts = terms["sums"], terms["counts"]
+            return terms.user_loss.sum() * (step.scale if step is not None else 1)
+        row_sums, row_counts = terms.sums, terms.counts
         if step is not None:
             return head.combine(row_sums.sum(0), step.counts) * step.scale
         if self._eval_totals is not None:
-            if getattr(head, "uses_model_loss", False):
+            if head.route is Route.MODEL_LOSS:
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
                 self._eval_totals.add(head, *self.sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
             else:
@@ -371,32 +279,41 @@ class ExactLoss(SelfCheck):
         terms = sums.numel()
         return both[:terms].reshape(1, -1), both[terms:].round().long().reshape(1, -1)
 
-    def _sample_terms(self, head, outputs, labels, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- The check of the head against the model's own loss (hf_parallel.exact.check) ----
+    def pending_check(self, head: LossHead | None, model: nn.Module, inputs: dict) -> tuple[LossHead, ...] | None:
+        """The candidate heads the forward of `inputs` checks `model`'s head with, or None (see `ModelLossCheck`)."""
+        return self.check.pending(head, self._key(model, None), inputs)
+
+    def watching_decoder(self, candidates: tuple[LossHead, ...] | None, model: nn.Module, inputs: dict):
+        """Around a checked forward: what the decoder of `model` (out of its wrappers) is given."""
+        return self.check.watching_decoder(candidates, self.unwrap(model) if candidates else model, inputs)
+
+    def settle(
+        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: Terms, step: StepCounts | None
+    ) -> tuple[LossHead | None, Terms]:
         """
-        Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row; the
-        padding samples of an epoch's last step (`REAL_ROWS_KEY`) add nothing, not to S, not to the gradient.
+        Decide from the gathered check of every replica and rank: the head to compute this micro-batch's loss with and
+        its terms (the chosen candidate's; in training the sums to back-propagate), or None for the stock loss
+        (warned once). The choice is cached for `model`; a step counted with the head the check replaced is recounted.
         """
-        real = labels.pop(REAL_ROWS_KEY, None)
-        sample_ids = self._sample_ids(head, inputs)
-        if sample_ids is None:
-            sums, counts = head.row_terms(outputs, labels)
-            if real is not None:
-                mask = row_mask(sums.shape[0], real, sums.device)
-                sums, counts = sums * mask, counts * mask
-            return sums, counts
-        losses, valid = head.position_terms(outputs, labels)  # [1, positions]
-        sample_ids = sample_ids.to(losses.device)
-        keep = sample_ids.lt(real) if real is not None else torch.ones_like(valid[0])
-        if self._eval_totals is None:
-            # Training adds every sample up anyway: one row, without counting the samples (reading that count back
-            # from the device would synchronise every micro-batch).
-            return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
-        samples = int(sample_ids.max()) + 1
-        sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
-        counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
-            0, sample_ids, (valid[0] & keep).long()
-        )
-        return sums.unsqueeze(-1), counts.unsqueeze(-1)
+        key, name = self._key(model, None), type(self.unwrap(model)).__name__
+        settled = self.check.settle(candidates, key, name, terms.check)
+        if settled.head is None:
+            self._heads[key] = (model, None)
+            self.warn_fallback(settled.fallback)
+            return None, terms
+        if settled.warning is not None:
+            self.warn_once(settled.warning)
+        terms = chosen_terms(terms, settled.index)
+        if settled.changed:
+            self._heads[key] = (model, settled.head)
+            logger.info(f"exact_loss: {name}'s {settled.why} {settled.head}; using it.")
+            counted = self._counted
+            if step is not None and counted is not None and counted[0] is self.current_counts(step):
+                # Counted with the head the check replaced: count again (every rank does, as all decided alike). The
+                # caller keeps passing `step`: `current_counts` gives it the new counts, nothing is changed in place.
+                self._recounted = (step, self.count_step(settled.head, *counted[1:]))
+        return settled.head, terms
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----
     @property

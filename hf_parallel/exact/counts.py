@@ -21,11 +21,13 @@ class StepCounts:
     The item counts of one whole optimizer step (all micro-batches, all ranks), per loss term.
 
     The Trainer hands it to `compute_loss` as `num_items_in_batch`; its type tells an exact step from a stock one.
-    `scale` is the factor that undoes DDP's gradient averaging (the number of processes; 1 without DDP).
+    `scale` is the factor that undoes DDP's gradient averaging (the number of processes; 1 without DDP);
+    `micro_batches` the micro-batches of this rank's step (a stock loss the check falls back to is divided by them).
     """
 
     counts: torch.Tensor
     scale: int = 1
+    micro_batches: int = 1
 
     def total(self) -> torch.Tensor:
         return self.counts.sum()

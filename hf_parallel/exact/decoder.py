@@ -11,7 +11,7 @@ use: one more cross-entropy per forward, the cost of never guessing).
 
 A `prepare_decoder_input_ids_from_labels` does not prove that the forward builds the same: FSMT's shifts the labels,
 while its forward, given labels and no decoder inputs, shifts the *inputs*. So the checked forward of a head (the
-labels in, no decoder inputs: see `hf_parallel.exact.selfcheck`) watches what its decoder receives
+labels in, no decoder inputs: see `hf_parallel.exact.check`) watches what its decoder receives
 (`DecoderInputsWatch`); where that is not what `decoder_input_ids` builds from the same labels, the head becomes a
 `LabelsInForwardHead` (`keeping_labels_in_forward`).
 
@@ -30,7 +30,7 @@ import threading
 import torch
 from torch import nn
 
-from .heads import CrossEntropyHead, LossHead
+from .heads import CrossEntropyHead, LossHead, Route
 
 __all__ = [
     "DecoderInputsWatch",
@@ -44,9 +44,9 @@ __all__ = [
 
 class LabelsInForwardHead(CrossEntropyHead):
     """The cross-entropy of an encoder-decoder that builds its decoder inputs inside its forward only: the labels
-    stay in the model's inputs (`labels_in_forward`), the loss is still recomputed from the logits."""
+    stay in the model's inputs (`Route.LABELS_IN_FORWARD`), the loss is still recomputed from the logits."""
 
-    labels_in_forward = True
+    route = Route.LABELS_IN_FORWARD
 
 
 def decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,24 @@
 """
 One micro-batch's exact loss, wherever its forward runs (one device, a DDP rank, the replicas of a DataParallel
-wrapper), by either of two routes to the same S / C:
+wrapper): `micro_batch_loss`, the entry that `hf_parallel.Trainer` and `hf_parallel.ExactLoop` both call.
 
-- **recomputed** (the default): the labels are kept out of the forward and the head computes each row's loss sum
-  from the logits (`ExactLoss.terms`);
-- **the model's own** (a head `uses_model_loss`): the model gets its labels, the padding rows of an epoch's last
-  step set to the ignore index, and `num_items_in_batch`, the item count C of the whole step; a loss that honours
-  it, as transformers' `loss_function` and Liger's fused cross-entropy do, is then S / C itself. In evaluation the
-  count given is 1, so the loss is S. This is the route of a forward that computes its loss from the hidden states
-  chunk by chunk and never builds the `[rows, positions, vocabulary]` logits (`use_liger_kernel=True`), and of the
-  plain transformers language models, whose own loss is that cross-entropy.
-
-Which route a head takes is decided by its first forward (`hf_parallel.exact.selfcheck`): for a per-position
-cross-entropy on a model whose forward takes `num_items_in_batch`, that forward gets the labels and a count N that is
-no count of its items, 2C + 1/2, so that a loss divided by it tells itself apart from the mean of its items: with
-logits, by comparing it with the heads' sums; without them, by its gradient with respect to the count (-S / N^2 for
-S / N). The two differ by a factor of about 2 at any C, far beyond any rounding: an offset that does not grow with C
-(C + 1/2) moves S / N by 1 / (2C) only, below a float32 loss's tolerance once a micro-batch holds 5,000 items (a
-summarisation batch), and below a half-precision one's from 50.
+The forward runs by the head's route (`hf_parallel.exact.heads.Route`): the labels taken out and S recomputed from
+the logits, or kept in (the model builds its decoder inputs), or the model's own loss given the step's count C
+(`num_items_in_batch`), or the user's `compute_loss_func`. Under DataParallel each replica computes the terms of its
+own rows (`hf_parallel.exact.replicas`); only `Terms` travel to GPU 0. The first forward of a model is checked
+against the model's own loss (`hf_parallel.exact.check`): it keeps the labels in, and a per-position cross-entropy
+of a model whose forward takes `num_items_in_batch` is given N = 2C + 1/2 (no count of items, and twice C, so that a
+loss divided by it, S / N, and one that keeps its own mean, S / C, differ by a factor of 2 at any C and precision; an
+offset of 1/2 alone moved S / N by 1 / (2C), below a float32 loss's tolerance from 5,000 items on).
 
 ```python
-from hf_parallel.exact import ExactLoss
-from hf_parallel.exact.forward import micro_batch_loss
+from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
 
 exact = ExactLoss()
 head = exact.head(model, batches[0])
 step = exact.count_step(head, batches)
 for batch in batches:
-    loss, _ = micro_batch_loss(exact, model, head, batch, step)
+    loss, _ = micro_batch_loss(exact, model, head, batch, step, RunContext())
     loss.backward()
 ```
 """
@@ -35,80 +26,76 @@ for batch in batches:
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from .compare import (
+    ReplicaCheck,
+    can_use_model_loss,
+    fused_outputs,
+    probe_count,
+    replica_check,
+    takes_gradient_from_loss,
+)
 from .counts import StepCounts, sequence_length
-from .heads import CrossEntropyHead, LossHead
-from .remainder import REAL_ROWS_KEY
+from .decoder import decoder_input_ids, needs_decoder_inputs
+from .heads import CrossEntropyHead, LossHead, Route
+from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
 from .replicas import is_data_parallel, outputs_device, run_in_replicas, takes_use_cache, without_cache
-from .selfcheck import fused_outputs, takes_gradient_from_loss
 
-__all__ = ["accepts_item_count", "batch_device", "can_use_model_loss", "micro_batch_loss"]
+__all__ = [
+    "RunContext",
+    "Terms",
+    "batch_device",
+    "chosen_terms",
+    "forward_terms",
+    "micro_batch_loss",
+    "model_terms",
+    "sample_terms",
+    "split_labels",
+]
 
-#: The item count a checked forward passes is C * PROBE_SCALE + PROBE_OFFSET for C items (see the module docstring):
-#: never a whole number, so no count of items, and twice C, so that S / N and S / C differ at every size and precision.
-PROBE_SCALE = 2.0
-PROBE_OFFSET = 0.5
 
-
-def probe_count(items: torch.Tensor) -> torch.Tensor:
-    """The `num_items_in_batch` a checked forward of a micro-batch with `items` items passes: 2C + 1/2, in float32."""
-    return items.float() * PROBE_SCALE + PROBE_OFFSET
-
-
-def can_use_model_loss(head: LossHead | None, model: nn.Module, loss_func: Callable | None = None) -> bool:
+@dataclass(frozen=True)
+class RunContext:
     """
-    Whether the model's own loss could be the exact one for `head`: a per-position cross-entropy without label
-    smoothing (the model's loss has none), no user loss, and a forward that takes `num_items_in_batch`. Whether the
-    loss honours the count is for the first forward to show (`hf_parallel.exact.selfcheck`).
+    What stays the same over a run's micro-batches.
+
+    Args:
+        owner (`nn.Module`, *optional*): the model whose head is cached (the Trainer's `self.model`); defaults to the
+            model called.
+        loss_func (`Callable`, *optional*): a user loss, `loss_func(outputs, labels, num_items_in_batch=...)`.
+        autocast_dtype (`torch.dtype`, *optional*): the dtype of every DataParallel replica's forward.
+        main_input_name (`str`, *optional*, defaults to `"input_ids"`): the input whose second dimension is the
+            sequence length.
     """
-    return (
-        isinstance(head, CrossEntropyHead)
-        and head.per_position
-        and not head.smoothing
-        and loss_func is None
-        and accepts_item_count(model)
-    )
+
+    owner: nn.Module | None = None
+    loss_func: Callable | None = None
+    autocast_dtype: torch.dtype | None = None
+    main_input_name: str = "input_ids"
 
 
-def accepts_item_count(model: nn.Module) -> bool:
+class Terms(NamedTuple):
     """
-    Whether `model` (out of its wrappers) may be given `num_items_in_batch`: its `accepts_loss_kwargs` where it sets
-    one, else whether its `forward` (an instance's own, as Liger patches it, or its class's) takes it or `**kwargs`.
+    What a forward contributes to the loss, computed where its outputs are (a NamedTuple: DataParallel gathers it
+    field by field, one row per replica or sample).
+
+    Args:
+        sums (`torch.Tensor`, *optional*): `[samples, terms]` loss sums.
+        counts (`torch.Tensor`, *optional*): `[samples, terms]` item counts.
+        user_loss (`torch.Tensor`, *optional*): `[1]`, the user loss (divided by the whole count already).
+        check (`ReplicaCheck`, *optional*): what a checked forward says of the candidate heads.
     """
-    inner = _base_model(model)
-    flag = getattr(inner, "accepts_loss_kwargs", None)
-    if isinstance(flag, bool):
-        return flag
-    forward = inner.forward  # an instance's own forward first (Liger patches the instance), else its class's
-    return _takes_count(getattr(forward, "__func__", forward))
 
-
-def _base_model(model: nn.Module) -> nn.Module:
-    while isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DDP
-        model = model.module
-    base = getattr(model, "get_base_model", None)  # PEFT: its forward passes **kwargs on to the model's
-    return base() if callable(base) and getattr(model, "active_peft_config", None) is not None else model
-
-
-@functools.lru_cache(maxsize=256)
-def _takes_count(forward: Callable) -> bool:
-    try:
-        parameters = inspect.signature(forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "num_items_in_batch" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def uses_model_loss(head: LossHead | None) -> bool:
-    """Whether `head` takes the model's own loss (decided by its check) instead of recomputing it."""
-    return bool(getattr(head, "uses_model_loss", False))
+    sums: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    user_loss: torch.Tensor | None = None
+    check: ReplicaCheck | None = None
 
 
 def micro_batch_loss(
@@ -117,13 +104,9 @@ def micro_batch_loss(
     head: LossHead,
     inputs: dict,
     step: StepCounts | None,
+    context: RunContext,
     *,
-    owner: nn.Module | None = None,
-    loss_func: Callable | None = None,
     return_outputs: bool = False,
-    autocast_dtype: torch.dtype | None = None,
-    main_input_name: str = "input_ids",
-    accumulation_steps: int = 1,
 ) -> tuple[torch.Tensor, Any]:
     """
     The exact loss of one micro-batch (S / C of the step in training, `step` given; S / C of the batch in evaluation,
@@ -131,32 +114,28 @@ def micro_batch_loss(
     forward gathered none: evaluation without predictions).
 
     Args:
-        exact (`ExactLoss`): the loss core (head cache, check, counts, totals).
+        exact (`ExactLoss`): the run's loss state (head cache, check, counts, totals).
         model (`nn.Module`): what to call: the model, or its DDP / DataParallel wrapper.
         head (`LossHead`): `exact.head(owner)`.
         inputs (`dict`): the batch, with its labels (the caller's dict is not changed).
         step (`StepCounts`, *optional*): the counts of the whole optimizer step (`exact.count_step`); None in
             evaluation.
-        owner (`nn.Module`, *optional*): the model whose head is cached (the Trainer's `self.model`); defaults to
-            `model`.
-        loss_func (`Callable`, *optional*): a user loss, `loss_func(outputs, labels, num_items_in_batch=...)`.
+        context (`RunContext`): what stays the same over the run.
         return_outputs (`bool`, *optional*): return the outputs too.
-        autocast_dtype (`torch.dtype`, *optional*): the dtype of every DataParallel replica's forward.
-        main_input_name (`str`, *optional*): the input whose second dimension is the sequence length.
-        accumulation_steps (`int`, *optional*): the micro-batches of the step, for the model's own mean loss where
-            the check falls back to it.
     """
-    owner = model if owner is None else owner
-    check = exact.pending_check(head, owner, inputs, loss_func)
-    own = uses_model_loss(head)
-    probe = check is not None and can_use_model_loss(head, exact.unwrap(owner), loss_func)
+    owner = model if context.owner is None else context.owner
+    given, step = step, exact.current_counts(step)  # recounted where the check changed the head
+    check = exact.pending_check(head, owner, inputs)
+    own = head.route is Route.MODEL_LOSS
+    probe = check is not None and can_use_model_loss(head, exact.unwrap(owner))
     if "skip_logits" in inputs and (check is not None or not own):
         # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); the check
         # compares the logits, and a recomputed loss is made of them.
         inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
-    inputs, labels = exact.split_labels(head, inputs, model, build_decoder_inputs=check is None and not own)
-    total = exact.user_loss_total(head, labels, step, inputs, main_input_name) if loss_func is not None else None
-    run = _Forward(exact, head, loss_func, total, step, main_input_name, check, own, probe)
+    inputs, labels = split_labels(head, inputs, model, check is None and not own, exact.unwrap)
+    user_loss = head.route is Route.USER_LOSS and context.loss_func is not None
+    total = user_loss_total(head, labels, step, inputs, context.main_input_name) if user_loss else None
+    run = _Forward(exact, head, context.loss_func if user_loss else None, total, step, context, check, probe)
     data_parallel = is_data_parallel(model)
     run.keep = return_outputs and (exact.outputs_wanted or not data_parallel)
     run.drop_cache = data_parallel
@@ -166,13 +145,14 @@ def micro_batch_loss(
         else:
             if not run.keep and "use_cache" not in inputs and takes_use_cache(model.module):
                 inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
-            terms, outputs = run_in_replicas(model, run, inputs, labels, autocast_dtype)
+            terms, outputs = run_in_replicas(model, run, inputs, labels, context.autocast_dtype)
     if check is not None:
-        head = exact.settle(check, owner, terms, step)
+        head, terms = exact.settle(check, owner, terms, given)
+        step = exact.current_counts(given)
     if head is None:
         # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss of the
         # following steps; the step was counted as exact, so divide by its micro-batches here.
-        loss = terms["model_loss"].mean() / (accumulation_steps if step is not None else 1)
+        loss = terms.check.model_loss.mean() / (step.micro_batches if step is not None else 1)
     else:
         loss = exact.reduce(head, terms, step)
     return loss, outputs
@@ -180,48 +160,169 @@ def micro_batch_loss(
 
 class _Forward:
     """
-    One forward and its loss terms, run where the outputs are: in the caller, or in each DataParallel replica on its
+    One forward and its `Terms`, run where the outputs are: in the caller, or in each DataParallel replica on its
     rows (`ReplicaStep` calls it with the replica's model and chunks).
     """
 
-    def __init__(self, exact, head, loss_func, total, step, main_input_name, check, own, probe):
+    def __init__(self, exact, head, loss_func, total, step, context: RunContext, check, probe: bool):
         self.exact, self.head, self.loss_func, self.total, self.step = exact, head, loss_func, total, step
-        self.main_input_name, self.check, self.own, self.probe = main_input_name, check, own, probe
+        self.main_input_name, self.check, self.probe = context.main_input_name, check, probe
+        self.own = head.route is Route.MODEL_LOSS
         self.keep = False
         self.drop_cache = False
         # The model gets the labels for the check, for its own loss, and where it builds its decoder inputs itself.
-        self.with_labels = check is not None or own or getattr(head, "labels_in_forward", False)
+        self.with_labels = check is not None or head.route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD)
 
     def __call__(self, run, inputs: dict, labels: dict):
         exact, head = self.exact, self.head
-        model_labels = {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
+        targets = model_labels(labels)
         seq_len = sequence_length(inputs, self.main_input_name)
-        device = batch_device(model_labels, inputs)
+        device = batch_device(targets, inputs)
         count = None
         if self.own:
             # S / C of the step in training; S itself in evaluation.
             count = self.step.total().to(device) if self.step is not None else 1
         elif self.probe:
-            items = head.count(model_labels, seq_len).sum().to(device)
+            items = head.count(targets, seq_len).sum().to(device)
             count = probe_count(items).requires_grad_(torch.is_grad_enabled())
-        extra = model_labels if self.with_labels else {}
+        extra = targets if self.with_labels else {}
         if count is not None:
             extra = {**extra, "num_items_in_batch": count}
         outputs = run(**inputs, **extra)
+        from_loss = False
         if self.own or (self.probe and fused_outputs(outputs)):
-            terms = exact.model_terms(head, outputs, labels, seq_len, count)
+            terms = model_terms(head, outputs, labels, seq_len, count)
         else:
-            total = self.total
-            here = total.to(outputs_device(outputs, labels)) if torch.is_tensor(total) else total
+            here = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
             # A checked forward whose gradient comes from the model's own loss computes the head only to compare.
             from_loss = self.check is not None and self.loss_func is None and takes_gradient_from_loss(head, outputs)
             with torch.no_grad() if from_loss else contextlib.nullcontext():
-                terms = exact.terms(head, outputs, labels, inputs, loss_func=self.loss_func, total=here)
+                terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
         if self.check is not None:
-            terms.update(exact.check_terms(self.check, outputs, labels, inputs, terms, count if self.probe else None))
+            given = count if self.probe else None
+            check = check_terms(exact, self.check, outputs, labels, inputs, terms, given, from_loss)
+            terms = terms._replace(check=check)
         if not self.keep:
             return terms, None
         return terms, (without_cache(outputs) if self.drop_cache else outputs)
+
+
+# ---- What a forward contributes: its labels, its terms ----
+def _as_is(model: nn.Module) -> nn.Module:
+    return model
+
+
+def split_labels(
+    head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True, unwrap: Callable = _as_is
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """
+    A copy of `inputs` without the labels, and the labels (the padding rows of an epoch's last step, marked, masked in
+    a cross-entropy's targets); decoder inputs built when `model` (taken out of its wrappers by `unwrap`, only then)
+    needs them, unless `build_decoder_inputs=False` (a forward that keeps the labels, where the model builds its own).
+    """
+    inputs = dict(inputs)  # the caller's dict keeps its labels
+    labels = head.pop_labels(inputs)
+    if REAL_ROWS_KEY in inputs:
+        real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
+        if isinstance(head, CrossEntropyHead):
+            # Padding rows ignored in the targets themselves: also for a model that gets its labels.
+            labels = mask_padding(labels, TARGET_KEYS, real, sample_ids_of(head, inputs))
+    if build_decoder_inputs and needs_decoder_inputs(head, inputs):
+        # The model builds decoder inputs from the labels it no longer receives.
+        inputs["decoder_input_ids"] = decoder_input_ids(unwrap(model), labels["labels"])
+    return inputs, labels
+
+
+def model_labels(labels: dict) -> dict:
+    """The labels as the model takes them: without the padding mark of an epoch's last step."""
+    return {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
+
+
+def user_loss_total(head: LossHead, labels: dict, step: StepCounts | None, inputs: dict, main_input_name: str):
+    """The item count a user loss (`compute_loss_func`) divides by: the step's, or the batch's in evaluation."""
+    return step.total() if step is not None else head.count(labels, sequence_length(inputs, main_input_name)).sum()
+
+
+def model_terms(head: LossHead, outputs, labels: dict, seq_len: int | None, count: torch.Tensor | int) -> Terms:
+    """
+    The terms of a forward whose loss is the model's own, given `count` as `num_items_in_batch`: `[[S]]` and `[[C]]`,
+    S = loss x count, C counted from the labels.
+    """
+    loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if outputs else None)
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError(
+            f"exact_loss: the {head.name} loss is taken from the model, given its labels, but its forward "
+            f"returned no loss ({type(outputs).__name__}). Return the loss when labels are given, or set "
+            "exact_loss=False."
+        )
+    sums = (loss.float() * (count.detach() if torch.is_tensor(count) else count)).reshape(1, 1)
+    return Terms(sums, head.count(model_labels(labels), seq_len).to(sums.device).reshape(1, -1))
+
+
+def forward_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool, loss_func=None, total=None):
+    """
+    What a forward contributes to the loss, computed where its outputs are (in a DataParallel replica: for its rows,
+    on its device): `[samples, terms]` sums and counts (`sample_terms`), or the user loss of `loss_func`, called with
+    `total` items. Per-sample tensors, so that replicas' terms concatenate.
+    """
+    if loss_func is not None:
+        loss = loss_func(outputs, labels["labels"], num_items_in_batch=total)
+        # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
+        return Terms(user_loss=loss.reshape(1) if loss.dim() == 0 else loss)
+    return Terms(*sample_terms(head, outputs, labels, inputs, per_sample))
+
+
+def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> tuple[torch.Tensor, ...]:
+    """
+    Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row where
+    `per_sample` (evaluation: training adds every sample up anyway, in one row, without counting the samples, which
+    would read a value off the device every micro-batch); the padding samples of an epoch's last step
+    (`REAL_ROWS_KEY`) add nothing, not to S, not to the gradient. `labels` loses that mark.
+    """
+    real = labels.pop(REAL_ROWS_KEY, None)
+    sample_ids = sample_ids_of(head, inputs)
+    if sample_ids is None:
+        sums, counts = head.row_terms(outputs, labels)
+        if real is not None:
+            mask = row_mask(sums.shape[0], real, sums.device)
+            sums, counts = sums * mask, counts * mask
+        return sums, counts
+    losses, valid = head.position_terms(outputs, labels)  # [1, positions]
+    sample_ids = sample_ids.to(losses.device)
+    keep = sample_ids.lt(real) if real is not None else torch.ones_like(valid[0])
+    if not per_sample:
+        return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
+    samples = int(sample_ids.max()) + 1
+    sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
+    counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
+        0, sample_ids, (valid[0] & keep).long()
+    )
+    return sums.unsqueeze(-1), counts.unsqueeze(-1)
+
+
+def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
+    """
+    In a checked forward (in a DataParallel replica: for its rows), what it says of `candidates` (`replica_check`),
+    `terms` holding the first candidate's; the others computed without autograd `from_loss` (see
+    `takes_gradient_from_loss`).
+    """
+
+    def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad() if from_loss else contextlib.nullcontext():
+            return sample_terms(head, outputs, dict(labels), inputs, exact.evaluating)
+
+    known = {candidates[0]: (terms.sums, terms.counts)}
+    decoder = exact.check.decoder_vote(labels)
+    return replica_check(candidates, outputs, terms_of, known, count, from_loss, decoder)
+
+
+def chosen_terms(terms: Terms, index: int) -> Terms:
+    """`terms` with candidate `index`'s sums and counts; in training, the sums with the graph to back-propagate."""
+    check = terms.check
+    sums, counts = check.sums[index], check.counts[index]
+    if check.graph_sums is not None:
+        sums = check.graph_sums[:, index : index + 1]  # one per replica: training adds them up anyway
+    return terms._replace(sums=sums, counts=counts)
 
 
 def batch_device(*tensors: dict) -> torch.device:

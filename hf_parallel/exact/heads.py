@@ -20,6 +20,9 @@ loss = head.combine(sums.sum(0), counts.sum(0))  # what the model's own loss giv
 
 from __future__ import annotations
 
+import copy
+import enum
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +34,8 @@ __all__ = [
     "MultiLabelHead",
     "QuestionAnsweringHead",
     "RegressionHead",
+    "Route",
+    "routed",
     "token_losses",
 ]
 
@@ -79,6 +84,34 @@ def _flat_token_losses(flat_logits: torch.Tensor, flat_targets: torch.Tensor, sm
     return losses
 
 
+class Route(enum.Enum):
+    """
+    How a head's micro-batch loss S / C is made (the table in `hf_parallel.exact`'s docstring says which heads take
+    which, and why). The Trainer's stock loss, where no head applies, is no route: the head is None.
+    """
+
+    #: The labels are kept out of the forward; S is computed from the logits by the head (the default).
+    RECOMPUTED = "recomputed"
+    #: The labels stay in the forward (the model builds its decoder inputs from them); S from the logits, as above.
+    LABELS_IN_FORWARD = "labels_in_forward"
+    #: The model's own loss, given its labels and `num_items_in_batch` = C, is S / C itself (it honours the count).
+    MODEL_LOSS = "model_loss"
+    #: The Trainer's `compute_loss_func`, given the step's count; the head only counts the items.
+    USER_LOSS = "user_loss"
+
+
+def routed(head: LossHead, route: Route) -> LossHead:
+    """
+    A copy of `head` that takes `route`; the one place a route is set. A route the check chose names the head for it
+    (`causal_lm/model_loss`); the user's loss keeps the head's name.
+    """
+    other = copy.copy(head)
+    other.route = route
+    if route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD) and not head.name.endswith(f"/{route.value}"):
+        other.name = f"{head.name}/{route.value}"
+    return other
+
+
 class LossHead:
     """
     The base of every head: label keys, term weights, counting, combining. Subclasses say what a target is, which of
@@ -91,6 +124,8 @@ class LossHead:
             What the head is, for messages (`"causal_lm"`, `"sequence_classification/regression"`, ...).
     """
 
+    #: How the micro-batch's loss is made (`Route`); set with `routed`.
+    route: Route = Route.RECOMPUTED
     #: Weight of each loss term in `combine`.
     weights: tuple[float, ...] = (1.0,)
     #: Whether the model builds its decoder inputs from the labels (encoder-decoder LMs): without the labels, the

@@ -30,6 +30,7 @@ from .streams import stream_remainder
 
 __all__ = [
     "REAL_ROWS_KEY",
+    "TARGET_KEYS",
     "EpochEnd",
     "epoch_end",
     "first_rows",
@@ -38,11 +39,14 @@ __all__ = [
     "pull_batches",
     "real_rows",
     "row_mask",
+    "sample_ids_of",
     "samples_in",
 ]
 
 #: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added.
 REAL_ROWS_KEY = "hf_parallel_real_rows"
+#: The cross-entropy targets a padding row is masked in.
+TARGET_KEYS = ("labels", "shift_labels")
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,12 @@ def packed_sample_ids(batch: dict) -> torch.Tensor | None:
     # Without reading how many times the positions restart (a device sync per micro-batch): a row that starts once
     # is one sequence, sample 0 throughout (positions before its start, left padding, count as sample 0 too).
     return (position_ids[0].eq(0).cumsum(0) - 1).clamp(min=0)
+
+
+def sample_ids_of(head, batch: dict) -> torch.Tensor | None:
+    """The sample of each position of a packed row (see `packed_sample_ids`); None for a head that is not per position
+    (only those are packed: several sequences in one row)."""
+    return packed_sample_ids(batch) if getattr(head, "per_position", False) else None
 
 
 def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:

@@ -1,5 +1,6 @@
 """
-The check that lets the model judge its own loss (`hf_parallel.exact.selfcheck`), at the sizes users train at.
+The check that lets the model judge its own loss (`hf_parallel.exact.check`, `hf_parallel.exact.compare`), at the
+sizes users train at.
 
 Its first forward gives the model an item count no batch has, and tells from the loss whether the model divided by
 it. A loss that ignores the count (BART's and T5's plain `CrossEntropyLoss` mean) must be told apart from one that
@@ -27,9 +28,9 @@ from transformers import (
     default_data_collator,
 )
 
-from hf_parallel.exact.forward import probe_count, uses_model_loss
-from hf_parallel.exact.heads import CrossEntropyHead
-from hf_parallel.exact.selfcheck import replica_check
+from hf_parallel.exact import CrossEntropyHead, ReplicaCheck, Route, replica_check
+from hf_parallel.exact.check import Verdict, Votes, decide
+from hf_parallel.exact.compare import probe_count
 from tests.harness import Topology, max_relative_diff, run_case
 from tests.heads import Case
 
@@ -60,7 +61,7 @@ def _honours(items: int, mean: float, dtype: torch.dtype, divides_by_count: bool
     if logits:
         outputs["logits"] = torch.zeros(1, 1, 1)  # not read: the candidate's sums are given
     check = replica_check((head,), outputs, lambda h: (sums.float(), counts), count=count)
-    return float(check["check_honours"])
+    return float(check.honours)
 
 
 @settings(max_examples=300, deadline=None)
@@ -186,7 +187,7 @@ def test_real_size_step_is_exact_whether_the_loss_honours_the_count(name, topolo
     loss, grads, items = _reference(case, ROWS, torch.float32)
     assert items > 8000  # the size the check must hold at
     result = run_case(_case(name, build, rows, torch.float32), topology, train_rows=ROWS, eval_rows=0)
-    honours = uses_model_loss(result["trainer"].exact.head(result["trainer"].model))
+    honours = result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
     assert honours == (name == "llama")
     assert result["loss"] == pytest.approx(loss, rel=1e-5)
     assert max_relative_diff(result["grads"], grads) < 1e-4
@@ -207,7 +208,7 @@ def test_half_precision_loss_is_judged_at_hundreds_of_items(name):
     loss, grads, items = _reference(short, ROWS, torch.float16)
     assert items > 400
     result = run_case(_case(name, build, short.rows, torch.float16), GA2, train_rows=ROWS, eval_rows=0)
-    honours = uses_model_loss(result["trainer"].exact.head(result["trainer"].model))
+    honours = result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
     assert honours == (name == "llama")
     # float16 rounding of the loss and of the gradient's accumulation: about 1e-3; a count taken as honoured while
     # the loss ignores it, or the stock loss, is x2.
@@ -260,3 +261,87 @@ def test_the_checked_step_keeps_no_more_logits_for_backward_than_stock(name):
         saved[side] = record.per_step
     assert saved["stock"] == [2, 2]  # one log-softmax per micro-batch
     assert saved["hf_parallel"] == saved["stock"]
+
+
+# ---- The decisions of the check, from the votes of every replica and rank ----------------------------------------
+
+NAN = float("nan")
+
+
+def replica_checks(*fits: list[float], decoder: list[float] | None = None) -> ReplicaCheck:
+    """The gathered checks of replicas whose candidates fit as `fits` (one row per replica; NaN: not compared)."""
+    rows = len(fits)
+    unknown = torch.full((rows, 1), NAN)
+    return ReplicaCheck(
+        fits=torch.tensor(fits, dtype=torch.float64),
+        losses=torch.ones(rows, 2, dtype=torch.float64),
+        honours=unknown,
+        decoder=torch.tensor(decoder).reshape(rows, 1) if decoder is not None else unknown,
+        model_loss=torch.zeros(rows),
+        sums=(),
+        counts=(),
+    )
+
+
+def votes_of_a_rank(**counts: list[float]) -> Votes:
+    """The votes of another rank: zero but for `counts` (e.g. `fit=[0, 1]`)."""
+    zeros = Votes.of(replica_checks([NAN, NAN]))._replace(seen=torch.zeros(1), losses=torch.zeros(2))
+    return zeros._replace(**{name: torch.tensor(value, dtype=torch.float64) for name, value in counts.items()})
+
+
+def decided(check: ReplicaCheck, other_rank: Votes | None = None) -> Verdict:
+    votes = Votes.of(check)
+    if other_rank is not None:  # what the collective adds: the other rank's votes, field by field
+        votes = votes.summed(lambda flat: flat + torch.cat(list(other_rank)))
+    return decide(votes)
+
+
+@pytest.mark.parametrize(
+    ("fits", "index", "final"),
+    [
+        ([[1, 0]], 0, True),  # the chosen head fits, the other does not: confirmed
+        ([[0, 1], [0, 1]], 1, True),  # the other fits on every replica: switch
+        ([[1, 1]], 0, False),  # both fit: keep it, check again
+        ([[0, 0]], None, True),  # none fits: the stock loss
+        ([[NAN, NAN]], 0, False),  # nothing to compare: keep it, check again
+        ([[1, 0], [0, 1]], None, True),  # replicas disagree: no head fits every replica
+        ([[NAN, NAN], [0, 1]], 1, True),  # a replica without items does not vote
+        ([[1, NAN]], 0, False),  # the other candidate had no items: keep it, check again (not a fused loss)
+    ],
+)
+def test_decide(fits, index, final):
+    verdict = decided(replica_checks(*fits))
+    assert (verdict.index, verdict.final) == (index, final)
+
+
+def test_a_candidate_without_items_is_no_fused_loss():
+    # A token classifier's first batch with one target: its shifted candidate has none. The probe said the loss
+    # ignores the count; that is no reason to fall back while the logits could compare (it fell back before).
+    check = replica_checks([1, NAN])._replace(honours=torch.zeros(1, 1))
+    assert (decided(check).index, decided(check).final) == (0, False)
+    fused = replica_checks([NAN, NAN])._replace(honours=torch.zeros(1, 1))  # no logits: the gradient tells alone
+    assert (decided(fused).index, decided(fused).final) == (None, True)
+
+
+def test_decide_sums_the_votes_of_every_rank():
+    # This rank's replica fits the chosen head; another rank's does not, and fits the other.
+    other_rank = votes_of_a_rank(fit=[0, 1], miss=[1, 0], compared=[1])
+    assert decided(replica_checks([1, 0]), other_rank).index is None  # no head fits on every rank
+    verdict = decided(replica_checks([0, 1]), other_rank)
+    assert (verdict.index, verdict.final) == (1, True)  # every rank switches
+
+
+def test_decide_switches_on_other_decoder_inputs_on_any_rank():
+    check = replica_checks([1, 0], [1, 0], decoder=[1.0, NAN])
+    assert not decided(check).decoder_differs  # the same inputs, or not known: no switch
+    verdict = decided(check, votes_of_a_rank(other_decoder=[1]))
+    assert verdict.decoder_differs and (verdict.index, verdict.final) == (0, True)
+
+
+def test_votes_flatten_into_one_collective_and_back():
+    votes = Votes.of(replica_checks([1, 0], [NAN, NAN], decoder=[0.0, 1.0]))
+    calls = []
+    summed = votes.summed(lambda flat: calls.append(flat.shape) or flat * 2)
+    assert calls == [(2 + 2 + 1 + 2 + 1 + 1 + 1 + 1,)]  # one tensor for every vote
+    assert all(torch.equal(a * 2, b) for a, b in zip(votes, summed, strict=True))
+    assert float(votes.other_decoder) == 1 and float(votes.compared) == 1 and votes.fit.tolist() == [1, 0]

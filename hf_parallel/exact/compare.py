@@ -1,0 +1,330 @@
+"""
+What one checked forward says about the candidate heads: its rows' loss as the model computes it, against what each
+candidate computes from the same logits (`replica_check`; in a DataParallel replica, for its own rows).
+
+A candidate fits when its mean S / C is the model's loss within `tolerance`, or, where the forward was given a count N
+(`num_items_in_batch`; the probe of `hf_parallel.exact.forward` gives 2C + 1/2), its sum S / N: the loss then honours
+the count. Without logits (a loss fused with the LM head) only the honouring can be told, from the loss's gradient
+with respect to the count (-S / N^2). The candidates are computed without autograd where the micro-batch's gradient
+can come from the model's own loss (`takes_gradient_from_loss`): the check then keeps no logits-sized buffer of its
+own for the backward.
+
+```python
+from hf_parallel.exact.compare import candidate_heads, replica_check
+
+candidates = candidate_heads(head)
+outputs = model(**inputs, **labels)  # the model's own loss in outputs.loss
+check = replica_check(candidates, outputs, sample_terms)  # a ReplicaCheck, [1, ...] tensors
+```
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .heads import CrossEntropyHead, LossHead, Route
+
+__all__ = [
+    "PROBE_OFFSET",
+    "PROBE_SCALE",
+    "ReplicaCheck",
+    "accepts_item_count",
+    "can_use_model_loss",
+    "candidate_heads",
+    "compared_head",
+    "fused_outputs",
+    "model_loss",
+    "probe_count",
+    "replica_check",
+    "takes_gradient_from_loss",
+    "tolerance",
+]
+
+# Relative tolerance of the comparison, by the dtype of the model's loss. The model's loss and a head's are computed
+# from the same logits, so in float32 they differ by the order of a sum (~1e-6 relative over a batch); a loss
+# computed and rounded in bfloat16/float16 is off by up to half its last bit (2^-9 ~ 0.2%). A wrong head is further
+# off: an unshifted cross-entropy instead of a shifted one differs by percents even on an untrained tiny model.
+_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
+_HALF_TOLERANCE = 1e-2
+
+Terms = tuple[torch.Tensor, torch.Tensor]
+
+
+#: The item count a checked forward passes is C * PROBE_SCALE + PROBE_OFFSET for C items (see the module docstring):
+#: never a whole number, so no count of items, and twice C, so that S / N and S / C differ at every size and precision.
+PROBE_SCALE = 2.0
+PROBE_OFFSET = 0.5
+
+
+def probe_count(items: torch.Tensor) -> torch.Tensor:
+    """The `num_items_in_batch` a checked forward of a micro-batch with `items` items passes: 2C + 1/2, in float32."""
+    return items.float() * PROBE_SCALE + PROBE_OFFSET
+
+
+def can_use_model_loss(head: LossHead | None, model: nn.Module) -> bool:
+    """
+    Whether the model's own loss could be the exact one for `head`: a per-position cross-entropy without label
+    smoothing (the model's loss has none), no user loss, and a forward that takes `num_items_in_batch`. Whether the
+    loss honours the count is for the first forward to show (`replica_check`).
+    """
+    return (
+        isinstance(head, CrossEntropyHead)
+        and head.per_position
+        and not head.smoothing
+        and head.route is not Route.USER_LOSS
+        and accepts_item_count(model)
+    )
+
+
+def accepts_item_count(model: nn.Module) -> bool:
+    """
+    Whether `model` (out of its wrappers) may be given `num_items_in_batch`: its `accepts_loss_kwargs` where it sets
+    one, else whether its `forward` (an instance's own, as Liger patches it, or its class's) takes it or `**kwargs`.
+    """
+    inner = _base_model(model)
+    flag = getattr(inner, "accepts_loss_kwargs", None)
+    if isinstance(flag, bool):
+        return flag
+    forward = inner.forward  # an instance's own forward first (Liger patches the instance), else its class's
+    return _takes_count(getattr(forward, "__func__", forward))
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    while isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DDP
+        model = model.module
+    base = getattr(model, "get_base_model", None)  # PEFT: its forward passes **kwargs on to the model's
+    return base() if callable(base) and getattr(model, "active_peft_config", None) is not None else model
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_count(forward: Callable) -> bool:
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "num_items_in_batch" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class ReplicaCheck(NamedTuple):
+    """
+    What one forward (one replica's rows) says; `[1, ...]` tensors, not 0-dim, so that DataParallel gathers one row
+    per replica (a NamedTuple: its `gather` and `scatter` keep the type).
+
+    Args:
+        fits (`torch.Tensor`): `[1, K]`: 1 where candidate k fits the model's loss, 0 where not, NaN where it could not
+            be compared (no model loss, no logits, a term without items).
+        losses (`torch.Tensor`): `[1, 2]` float64: the model's loss and the first candidate's, as means (warnings).
+        honours (`torch.Tensor`): `[1, 1]`: 1 where the loss divided by the count it was given, 0 where not, NaN where
+            not known.
+        decoder (`torch.Tensor`): `[1, 1]`: 1 where the model built the decoder inputs the labels give, 0 where it
+            built others, NaN where not known.
+        model_loss (`torch.Tensor`): `[1]`: the model's loss as the mean of its items, with its graph (the stock loss
+            of this forward, if no candidate fits).
+        sums (`tuple[torch.Tensor, ...]`): per candidate, `[samples, terms]` loss sums (to compare, and for
+            evaluation's rows).
+        counts (`tuple[torch.Tensor, ...]`): per candidate, `[samples, terms]` item counts.
+        graph_sums (`torch.Tensor`, *optional*): `[1, K]`, where the gradient comes from the model's own loss
+            (`takes_gradient_from_loss`): candidate k's loss sum with the graph to back-propagate if it is chosen.
+    """
+
+    fits: torch.Tensor
+    losses: torch.Tensor
+    honours: torch.Tensor
+    decoder: torch.Tensor
+    model_loss: torch.Tensor
+    sums: tuple[torch.Tensor, ...]
+    counts: tuple[torch.Tensor, ...]
+    graph_sums: torch.Tensor | None = None
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance of a comparison with a model loss of `dtype`."""
+    return _TOLERANCE.get(dtype, _HALF_TOLERANCE)
+
+
+def candidate_heads(head: LossHead) -> tuple[LossHead, ...]:
+    """
+    `head`, then the other heads its labels and logits could mean: for a per-position cross-entropy, the same with the
+    causal shift toggled (standalone decoders of encoder-decoder families and XLNet do not shift).
+    """
+    if not isinstance(head, CrossEntropyHead) or not head.per_position or head.name.startswith("seq2seq_lm"):
+        return (head,)
+    other = copy.copy(head)
+    other.shift = not head.shift
+    other.name = f"{head.name}/{'shifted' if other.shift else 'unshifted'}"
+    return (head, other)
+
+
+def compared_head(head: LossHead) -> LossHead:
+    """The head whose loss is compared with the model's: without label smoothing, which the model's loss lacks."""
+    if not getattr(head, "smoothing", 0):
+        return head
+    plain = copy.copy(head)
+    plain.smoothing = 0.0
+    return plain
+
+
+def model_loss(outputs) -> torch.Tensor | None:
+    """The model's own loss in its outputs, or None when it returned none."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else None
+    return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
+
+
+def fused_outputs(outputs) -> bool:
+    """Whether a forward's outputs hold no logits (a loss fused with the LM head, Liger's), only its loss."""
+    return isinstance(outputs, dict) and not torch.is_tensor(outputs.get("logits"))
+
+
+def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
+    """
+    Whether a checked forward can take the gradient of its micro-batch from the model's own loss instead of a
+    recomputed head (whose log-softmax would be kept for the backward next to the model's: a logits-sized buffer more,
+    GiBs for an LLM): training, a float32/64 loss with a graph, and a per-position head (whose logits are the large
+    ones) of one term without label smoothing (a loss of several terms, or smoothed, cannot be read back from the
+    model's mean). The candidates' sums are then computed without autograd, only to compare.
+    """
+    loss = model_loss(outputs)
+    return (
+        torch.is_grad_enabled()
+        and head.per_position
+        and not fused_outputs(outputs)  # a fused loss's terms are the model's own already (`model_terms`)
+        and loss is not None
+        and loss.requires_grad
+        and loss.dtype in (torch.float32, torch.float64)
+        and head.num_terms == 1
+        and compared_head(head) is head
+    )
+
+
+def replica_check(
+    candidates: tuple[LossHead, ...],
+    outputs,
+    sample_terms: Callable[[LossHead], Terms],
+    known: dict[LossHead, Terms] | None = None,
+    count: torch.Tensor | None = None,
+    gradient_from_loss: bool = False,
+    decoder: torch.Tensor | None = None,
+) -> ReplicaCheck:
+    """
+    What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`.
+
+    Args:
+        candidates (`tuple[LossHead, ...]`): the chosen head, then the others it could be.
+        outputs (`ModelOutput`): the forward's outputs, computed with the labels.
+        sample_terms (`Callable`): `[samples, terms]` loss sums and item counts of a head on these outputs.
+        known (`dict`, *optional*): terms computed already, by their head.
+        count (`torch.Tensor`, *optional*): the `num_items_in_batch` the model was given (no whole number).
+        gradient_from_loss (`bool`, *optional*): whether S_k is the model's own loss times what it divided by (the
+            candidates' terms were computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
+        decoder (`torch.Tensor`, *optional*): `[1, 1]`, whether the model built the decoder inputs the labels give.
+    """
+    # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
+    computed = dict(known or {})
+    # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
+    has_logits = count is None or not fused_outputs(outputs)
+
+    def terms_of(head: LossHead) -> Terms:
+        if head not in computed:
+            computed[head] = sample_terms(head)
+        return computed[head]
+
+    first = terms_of(candidates[0])
+    # Without logits no other candidate can be computed (nor chosen: it cannot fit); as many terms all the same.
+    terms = [first, *(terms_of(c) if has_logits else first for c in candidates[1:])]
+    device = first[0].device
+    loss = model_loss(outputs)
+    fits = torch.full((1, len(candidates)), float("nan"), device=device)
+    losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
+    honours = torch.full((1, 1), float("nan"), device=device)
+    divisors: list[float | None] = [None] * len(candidates)
+    mean = torch.zeros(1, device=device)
+    if loss is not None:
+        n = float(count.detach()) if count is not None else None
+        if not has_logits:
+            honours[0, 0] = _honours_by_gradient(loss, count)
+        else:
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors)
+        mean = loss
+        if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
+            mean = loss * (n / max(int(first[1].sum()), 1))
+        losses[0, 0] = mean.detach().double()
+    # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
+    graph_sums = _graph_sums(terms, loss, divisors) if gradient_from_loss else None
+    unknown = torch.full((1, 1), float("nan"), device=device)
+    return ReplicaCheck(
+        fits=fits,
+        losses=losses,
+        honours=honours,
+        decoder=decoder.to(device) if decoder is not None else unknown,
+        model_loss=mean.reshape(1),
+        sums=tuple(t[0] for t in terms),
+        counts=tuple(t[1] for t in terms),
+        graph_sums=graph_sums,
+    )
+
+
+def _graph_sums(terms: list[Terms], loss, divisors: list[float | None]) -> torch.Tensor:
+    """
+    `[1, K]`: the loss sum of each candidate to back-propagate, from the model's loss L: L times its divisor where L
+    fits (its items, or the count N it honours), 0 without items (no row of this replica counts: no gradient, as one
+    device gives none for them), else L times the items (a candidate that does not fit here is never chosen).
+    """
+    values = []
+    for (_, counts), divisor in zip(terms, divisors, strict=True):
+        items = counts.sum()
+        if int(items) == 0:
+            values.append(loss.new_zeros(()).float())
+        else:
+            values.append(loss.float() * (divisor if divisor is not None else items.to(loss.device).float()))
+    return torch.stack(values).reshape(1, -1)
+
+
+def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors) -> float:
+    """
+    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given), what the
+    loss divided each fitting candidate's sum by in `divisors`, and the first candidate's mean in `losses`; return
+    whether the loss divided by the count (1 or 0; NaN where nothing fitted or no count was given).
+    """
+    reference = loss.detach().double()
+    divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
+    for k, candidate in enumerate(candidates):
+        sums, counts = terms_of(compared_head(candidate))
+        sums, counts = sums.detach().sum(0).double(), counts.sum(0)
+        value = candidate.combine(sums, counts)
+        if k == 0:
+            losses[0, 1] = value
+        if bool(counts.eq(0).any()) or not bool(torch.isfinite(reference)):
+            continue
+        bound = tolerance(loss.dtype) * reference.abs() + 1e-7
+        as_mean = bool((value - reference).abs() <= bound)
+        # Only per-position cross-entropies are given a count: one term, its sum / N.
+        as_sum = n is not None and bool((sums.sum() / n - reference).abs() <= bound)
+        fits[0, k] = float(as_mean or as_sum)
+        if as_sum or as_mean:
+            divided.append(as_sum)
+            divisors[k] = n if as_sum else float(counts.sum())
+    return float(all(divided)) if n is not None and divided else float("nan")
+
+
+def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> float:
+    """
+    Whether `loss` is a sum divided by `count`, from its gradient with respect to it: d(S / N)/dN = -(S / N) / N. 1 or
+    0; NaN without a graph to ask (evaluation) or a count. Only the path from the loss to the count is walked.
+    """
+    if count is None or not (loss.requires_grad and count.requires_grad):
+        return float("nan")
+    (gradient,) = torch.autograd.grad(loss, count, retain_graph=True, allow_unused=True)
+    if gradient is None:
+        return 0.0
+    # The expected gradient is taken from the loss as returned, rounded to its dtype: a half-precision loss is off from
+    # the gradient (computed before rounding) by up to half its last bit. A loss that ignores the count has none.
+    expected = -loss.detach().double() / float(count.detach())
+    bound = tolerance(loss.dtype) * expected.abs() + 1e-12
+    return float(bool((gradient.double() - expected).abs() <= bound))
