@@ -21,6 +21,7 @@ A run where the fused path works never builds the full logits in training; a tra
 batch and recomputes the loss from the logits makes the model build them (and their float copy, log-softmax and
 gradient), which the last column shows from the stand-in's record.
 
+Time is the wall time of `trainer.train()` (the first step, with its check, included), as a ratio of medians.
 Peak memory is measured as `benchmarks.overhead` does (see its docstring): on a GPU `torch.cuda.max_memory_allocated`;
 on CPU the peak resident size during training (`VmHWM`, reset through /proc/self/clear_refs when training starts)
 minus the resident size at that moment, each run in a fresh process whose glibc returns freed blocks at once, the
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -128,10 +130,12 @@ def run_once(side: str, workload: str, sizes: Sizes, steps: int, liger: bool = F
         trainer = trainer_cls(model=model, args=args, train_dataset=rows)
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         base = _reset_peak()
+        start = time.perf_counter()
         trainer.train()
+        seconds = time.perf_counter() - start
         peak = _peak() - base
     forwards = None if record is None else {"fused": record.fused_calls, "logits": record.logits_calls}
-    return {"peak": peak, "forwards": forwards}
+    return {"peak": peak, "seconds": seconds, "forwards": forwards}
 
 
 def fresh_run(side: str, workload: str, sizes: Sizes, steps: int, liger: bool) -> dict:
@@ -168,7 +172,7 @@ def measure(sizes: Sizes, rounds: int, steps: int, liger: bool = False, fresh: b
     """
     results = {}
     for workload in WORKLOADS:
-        peaks = {side: [] for side in SIDES}
+        peaks, seconds = {side: [] for side in SIDES}, {side: [] for side in SIDES}
         forwards, errors = {side: None for side in SIDES}, {}
         for r in range(rounds):
             for side in _sides(r):
@@ -179,9 +183,11 @@ def measure(sizes: Sizes, rounds: int, steps: int, liger: bool = False, fresh: b
                     errors[side] = run["error"]
                     continue
                 peaks[side].append(run["peak"])
+                seconds[side].append(run["seconds"])
                 forwards[side] = run["forwards"]
         results[workload] = {
             "peak_mib": {side: None if side in errors else statistics.median(v) / 2**20 for side, v in peaks.items()},
+            "seconds": {side: None if side in errors else statistics.median(v) for side, v in seconds.items()},
             "forwards": forwards,
             "errors": errors,
         }
@@ -198,17 +204,27 @@ def _logits_built(forwards: dict | None, error: str | None) -> str:
 
 
 def table(results: dict) -> list[str]:
-    header = ["workload", "stock MiB", "hf_parallel MiB", "ratio", "full logits built: stock", "hf_parallel"]
+    header = [
+        "workload",
+        "stock MiB",
+        "hf_parallel MiB",
+        "ratio",
+        "time ratio",
+        "full logits built: stock",
+        "hf_parallel",
+    ]
     lines = [header]
     for workload, result in results.items():
         peak, forwards, errors = result["peak_mib"], result["forwards"], result["errors"]
         mib = ["failed" if peak[side] is None else f"{peak[side]:.1f}" for side in SIDES]
         ratio = "-" if None in peak.values() or peak["stock"] <= 0 else f"{peak['hf_parallel'] / peak['stock']:.3f}"
+        taken = result.get("seconds", {})
+        timed = "-" if None in taken.values() or not taken else f"{taken['hf_parallel'] / taken['stock']:.3f}"
         if workload == "fused":
             built = [_logits_built(forwards[side], errors.get(side)) for side in SIDES]
         else:
             built = [f"failed: {errors[side]}" if side in errors else "always" for side in SIDES]
-        lines.append([workload, *mib, ratio, *built])
+        lines.append([workload, *mib, ratio, timed, *built])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return [" | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines]
 

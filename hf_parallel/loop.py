@@ -1,6 +1,5 @@
 """
-`ExactLoop`: the exact loss in a hand-written training loop (accelerate, `torchrun` + DDP, `nn.DataParallel`), with
-no Trainer.
+`ExactLoop`: the exact loss in a hand-written training loop (accelerate, `torchrun` + DDP, `nn.DataParallel`).
 
 The canonical loop, `loss = model(**batch).loss` with `accelerator.accumulate` dividing by the accumulation steps,
 averages per-device, per-micro-batch means: under DDP the ranks' means are averaged, under gradient accumulation the
@@ -228,18 +227,17 @@ class ExactLoop:
         return batches
 
     def _context(self) -> RunContext:
-        """What a micro-batch's loss needs of this loop (read at each call: the caller's autocast state may change)."""
-        return RunContext(autocast_dtype=self._autocast_dtype())
-
-    def _autocast_dtype(self) -> torch.dtype | None:
-        """The autocast dtype of DataParallel replicas: the accelerator's mixed precision, else the caller's."""
+        """
+        What a micro-batch's loss needs of this loop, read at each call: the autocast dtype of DataParallel replicas,
+        the accelerator's mixed precision, else the caller's autocast state.
+        """
         if self.accelerator is not None:
-            return replica_autocast(self.accelerator.mixed_precision)
+            return RunContext(autocast_dtype=replica_autocast(self.accelerator.mixed_precision))
         for device_type in ("cuda", "cpu"):
             if torch.is_autocast_enabled(device_type):
                 dtype = torch.get_autocast_dtype(device_type)
-                return dtype if dtype in AUTOCAST_DTYPES.values() else None
-        return None
+                return RunContext(autocast_dtype=dtype if dtype in AUTOCAST_DTYPES.values() else None)
+        return RunContext()
 
 
 class LoopStep:

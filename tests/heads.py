@@ -262,3 +262,9 @@ CLASSIFIER = Case(
     lambda seed: tiny_bert_classifier(seed, initializer_range=0.5),
     lambda n, seed: classification_rows(n, seed=seed).rows,
 )
+
+
+def batch_of(case_name: str, rows: int = 6, seed: int = 3) -> dict[str, torch.Tensor]:
+    """One collated batch of `rows` rows of a case of `CASES`."""
+    dataset = CASES[case_name].dataset(rows, seed)
+    return {key: torch.stack([dataset[i][key] for i in range(rows)]) for key in dataset[0]}

@@ -5,8 +5,6 @@ The exact loss: one process with batch 2B == DDP 2 ranks x B == simulated DataPa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 import hf_parallel
 from hf_parallel import Trainer
+from tests.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
 from tests.harness import (
     SGD_STEP,
     SINGLE,
@@ -45,11 +44,8 @@ IN_PROCESS = (
 # The split rules added last (fewer chunks than devices, GPU 0 without rows, a weighted GPU 0) change which rows reach
 # which replica, not how a head computes its terms: by default they run on one case per head kind. Every case still
 # runs under the other topologies, which hold the same paths (an uneven split, the balanced wrapper, DataParallel with
-# GA). The other cases' rows run on request, with the whole zoo: HF_PARALLEL_FULL_ZOO=1 pytest tests/test_exact_loss.py
-FULL = bool(os.environ.get("HF_PARALLEL_FULL_ZOO"))
-ON_REQUEST = pytest.mark.skipif(
-    not FULL, reason="one case per head kind under the split rules by default: HF_PARALLEL_FULL_ZOO=1 runs the rest"
-)
+# GA). The other cases' rows run on request, with the whole zoo: `pytest -m full` (the `full` marker).
+ON_REQUEST = pytest.mark.full
 SPLIT_RULES = {"DP 4 fewer chunks [3,3,2]", "DP 3 balanced gpu0_bsz=0", "DP 3 balanced gpu0_weight=0.5"}
 ONE_CASE_PER_HEAD_KIND = (
     "llama_causal_lm",
@@ -126,7 +122,7 @@ def test_in_process_topologies_equal_one_process(case, topology):
 
 
 # The Seq2SeqTrainer is no head kind of its own: bart_seq2seq has the split rules' rows (the Seq2SeqTrainer's, on
-# request: HF_PARALLEL_FULL_ZOO=1).
+# request: `pytest -m full`).
 SEQ2SEQ_TOPOLOGIES = [
     pytest.param(t, id=t.name, marks=[ON_REQUEST] if t.name in SPLIT_RULES else []) for t in IN_PROCESS
 ]
@@ -392,8 +388,6 @@ def test_question_answering_without_a_sequence_length_is_a_clear_error():
 
 # ---- The epoch remainder: the last step of an epoch under DDP trains the real leftover rows only -------------------
 
-# Sequential sampling, so that one device sees rows 0-7, then the leftover rows, as the ranks together do.
-EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}
 EPOCH_RUNS = {
     # name: (case, rows, per-device batch, gradient accumulation)
     "classifier, 10 rows, 2 x 4": ("bert_single_label", 10, 4, 1),
@@ -403,42 +397,29 @@ EPOCH_RUNS = {
     "QA, 10 rows, 2 x 4": ("bert_question_answering", 10, 4, 1),
     "classifier, 9 rows, 2 x 4": ("bert_single_label", 9, 4, 1),  # one real row in the last step
 }
-# Iterable training sets have no length: the run needs max_steps, and rank 0 dispatches the batches. (Without GA:
-# for an iterable set, stock carries a step that the epoch's end cuts short into the next epoch.)
-ITERABLE = {"max_steps": 2, "iterable": True}
 EPOCH_RUNS_ITERABLE = {
     "iterable classifier, 9 rows, 2 x 4": ("bert_single_label", 9, 4, 1),
     "iterable causal LM, 9 rows, 2 x 4": ("llama_causal_lm", 9, 4, 1),
 }
 
 
-def _epoch_topology(per_device: int, accumulation: int) -> Topology:
-    return Topology(f"DDP 2 x {per_device} x GA {accumulation}", per_device, accumulation, processes=2)
-
-
-def _update_error(result: dict, reference: dict, initial: dict) -> float:
-    """Largest parameter difference from the reference, relative to the largest change the reference made."""
-    update = max((reference[n] - initial[n]).abs().max().item() for n in initial)
-    return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
-
-
 def _epoch_runs() -> dict:
     """The epoch remainder's DDP runs (in the spawn of `ddp_results`): name -> (case, topology, stock, overrides)."""
     runs = {
-        name: (case, _epoch_topology(per_device, accumulation), False, {"train_rows": rows, **EPOCH})
+        name: (case, epoch_topology(per_device, accumulation), False, {"train_rows": rows, **EPOCH})
         for name, (case, rows, per_device, accumulation) in EPOCH_RUNS.items()
     }
     for name, (case, rows, per_device, accumulation) in EPOCH_RUNS_ITERABLE.items():
         runs[name] = (
             case,
-            _epoch_topology(per_device, accumulation),
+            epoch_topology(per_device, accumulation),
             False,
             {"train_rows": rows, **EPOCH, **ITERABLE},
         )
     # Controls: stock on the first case, and dataloader_drop_last=True (no remainder step at all).
-    runs["stock"] = ("bert_single_label", _epoch_topology(4, 1), True, {"train_rows": 10, **EPOCH})
+    runs["stock"] = ("bert_single_label", epoch_topology(4, 1), True, {"train_rows": 10, **EPOCH})
     runs["drop_last"] = (
-        "bert_single_label", _epoch_topology(4, 1), False,
+        "bert_single_label", epoch_topology(4, 1), False,
         {"train_rows": 10, "dataloader_drop_last": True, **EPOCH},
     )  # fmt: skip
     return runs
@@ -450,36 +431,32 @@ def epoch_results(ddp_results) -> dict:
     return {name[len(prefix) :]: result for name, result in ddp_results.items() if name.startswith(prefix)}
 
 
-def _one_device(case: str, rows: int, **overrides) -> dict:
-    return run_case(case, Topology("one device x 8", per_device=8), train_rows=rows, **{**EPOCH, **overrides})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*EPOCH_RUNS, *EPOCH_RUNS_ITERABLE])
 def test_the_last_step_of_an_epoch_equals_one_device_on_the_leftover_rows(name, epoch_results):
     iterable = name in EPOCH_RUNS_ITERABLE
     case, rows, _, _ = (EPOCH_RUNS_ITERABLE if iterable else EPOCH_RUNS)[name]
-    result, reference = epoch_results[name], _one_device(case, rows, **(ITERABLE if iterable else {}))
+    result, reference = epoch_results[name], one_device_epoch(case, rows, **(ITERABLE if iterable else {}))
     assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
     assert result["max_rank_param_diff"] == 0.0
     assert len(reference["losses"]) == 2 and len(result["losses"]) == 2  # rows 0-7, then the leftover rows
     assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
     assert result["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5), name
     initial = {n: p.detach() for n, p in CASES[case].build(0).named_parameters()}
-    assert _update_error(result["params"], reference["params"], initial) < 1e-4, name
+    assert update_error(result["params"], reference["params"], initial) < 1e-4, name
 
 
 @pytest.mark.slow
 def test_epoch_remainder_controls(epoch_results):
-    reference = _one_device("bert_single_label", 10)
+    reference = one_device_epoch("bert_single_label", 10)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
     # Stock trains the padded duplicates (and doubles the loss under DDP): far from one device.
     stock = epoch_results["stock"]
     assert stock["losses"][1] != pytest.approx(reference["losses"][1], rel=1e-2)
-    assert _update_error(stock["params"], reference["params"], initial) > 0.1
+    assert update_error(stock["params"], reference["params"], initial) > 0.1
     # dataloader_drop_last=True: one step on rows 0-7, as one device dropping the last 2 rows.
     dropped = epoch_results["drop_last"]
-    one_step = _one_device("bert_single_label", 10, dataloader_drop_last=True)
+    one_step = one_device_epoch("bert_single_label", 10, dataloader_drop_last=True)
     assert len(dropped["losses"]) == len(one_step["losses"]) == 1
     assert dropped["losses"] == pytest.approx(one_step["losses"], rel=1e-5)
-    assert _update_error(dropped["params"], one_step["params"], initial) < 1e-4
+    assert update_error(dropped["params"], one_step["params"], initial) < 1e-4

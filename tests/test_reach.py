@@ -24,9 +24,9 @@ from hf_parallel import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Train
 from hf_parallel.exact.streams import SampleCounter, count_samples, stream_remainder
 from hf_parallel.testing import spawn_cpu_ranks
 from hf_parallel.upstream import SHARD_ATTRIBUTES
+from tests.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
 from tests.harness import SGD_STEP, TRAIN_ROWS, Topology, record_hf_parallel_log, run_case, training_args
 from tests.heads import CASES, lm_rows, seq2seq_rows
-from tests.test_exact_loss import EPOCH, ITERABLE, _epoch_topology, _one_device, _update_error
 from tests.tiny import IterableRows, ListDataset, classification_rows, tiny_bert_classifier
 
 GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
@@ -315,7 +315,7 @@ def _stream_report(output_dir: str) -> dict:
             ("train ours drop_last", False, True),
         ):
             result = run_case(
-                "bert_single_label", _epoch_topology(4, 1), stock=stock, train_rows=9, eval_rows=0,
+                "bert_single_label", epoch_topology(4, 1), stock=stock, train_rows=9, eval_rows=0,
                 dataloader_drop_last=drop_last, **{**EPOCH, **ITERABLE, **OWN_READS},
             )  # fmt: skip
             assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
@@ -374,22 +374,24 @@ def test_iterable_evaluation_each_rank_reads_counts_each_sample_once(stream_repo
 
 @pytest.mark.slow
 def test_iterable_training_each_rank_reads_trains_the_real_leftover_rows_only(stream_report):
-    reference = _one_device("bert_single_label", 9, **ITERABLE)
+    reference = one_device_epoch("bert_single_label", 9, **ITERABLE)
     ours, stock = stream_report["train ours"], stream_report["train stock"]
     assert len(reference["losses"]) == 2 and len(ours["losses"]) == 2  # rows 0-7, then row 8
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
-    assert _update_error(ours["params"], reference["params"], initial) < 1e-4
+    assert update_error(ours["params"], reference["params"], initial) < 1e-4
     # Stock trains the 7 repeated rows of the last step.
-    assert _update_error(stock["params"], reference["params"], initial) > 0.1
+    assert update_error(stock["params"], reference["params"], initial) > 0.1
     assert not any("cannot be told apart" in m for m in stream_report["warnings"]), stream_report["warnings"]
 
 
 @pytest.mark.slow
 def test_iterable_training_with_dataloader_drop_last_leaves_the_repeats_out_too(stream_report):
-    reference = _one_device("bert_single_label", 9, **ITERABLE)  # one process: its iterable dataloader keeps row 8
+    reference = one_device_epoch(
+        "bert_single_label", 9, **ITERABLE
+    )  # one process: its iterable dataloader keeps row 8
     ours = stream_report["train ours drop_last"]
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
-    assert _update_error(ours["params"], reference["params"], initial) < 1e-4
+    assert update_error(ours["params"], reference["params"], initial) < 1e-4

@@ -9,7 +9,6 @@ builds other decoder inputs than its `prepare_decoder_input_ids_from_labels`. Th
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -62,12 +61,7 @@ def test_a_sample_of_the_zoo_is_exact_or_warned(name):
         assert outcome.stock == "silent", outcome  # the control: stock shifts an unshifted loss's count
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("HF_PARALLEL_FULL_ZOO"),
-    reason="the whole zoo takes about 40 minutes on 2 cores: HF_PARALLEL_FULL_ZOO=1 pytest tests/test_zoo.py -k whole "
-    "(or python -m benchmarks.zoo --shard i/12)",
-)
+@pytest.mark.full  # the whole zoo: about 25 minutes on 2 cores (or python -m benchmarks.zoo --shard i/12)
 def test_the_whole_zoo_has_no_silent_difference_and_no_crash():
     outcomes = [check_model(model) for model in ZOO.values()]
     bad = [outcome for outcome in outcomes if outcome.ours in ("silent", "crash")]

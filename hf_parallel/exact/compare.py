@@ -256,7 +256,7 @@ def replica_check(
             mean = loss * (n / max(int(first[1].sum()), 1))
         losses[0, 0] = mean.detach().double()
     # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
-    graph_sums = _graph_sums(terms, loss, divisors) if gradient_from_loss else None
+    graph_sums = _graph_sums(terms, loss, divisors, _graph_zero(outputs)) if gradient_from_loss else None
     unknown = torch.full((1, 1), float("nan"), device=device)
     return ReplicaCheck(
         fits=fits,
@@ -270,17 +270,24 @@ def replica_check(
     )
 
 
-def _graph_sums(terms: list[Terms], loss, divisors: list[float | None]) -> torch.Tensor:
+def _graph_zero(outputs) -> torch.Tensor:
+    """A 0 on the graph of the logits, whose gradient is 0 everywhere (the model's mean loss over no items is NaN)."""
+    logits = outputs["logits"]
+    return logits.sum().float() * 0.0
+
+
+def _graph_sums(terms: list[Terms], loss, divisors: list[float | None], zero: torch.Tensor) -> torch.Tensor:
     """
     `[1, K]`: the loss sum of each candidate to back-propagate, from the model's loss L: L times its divisor where L
-    fits (its items, or the count N it honours), 0 without items (no row of this replica counts: no gradient, as one
-    device gives none for them), else L times the items (a candidate that does not fit here is never chosen).
+    fits (its items, or the count N it honours), `zero` without items (no row of this replica counts: no gradient, as
+    one device gives none for them; still on the graph, so that a step without any item back-propagates), else L
+    times the items (a candidate that does not fit here is never chosen).
     """
     values = []
     for (_, counts), divisor in zip(terms, divisors, strict=True):
         items = counts.sum()
         if int(items) == 0:
-            values.append(loss.new_zeros(()).float())
+            values.append(zero)
         else:
             values.append(loss.float() * (divisor if divisor is not None else items.to(loss.device).float()))
     return torch.stack(values).reshape(1, -1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
@@ -9,7 +12,7 @@ from transformers.models.auto import modeling_auto
 from .decoder import LabelsInForwardHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
 
-__all__ = ["ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
+__all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
 
 
 def _class_names(*mappings: str) -> frozenset[str]:
@@ -27,12 +30,6 @@ TOKEN_CLASSIFICATION = _class_names("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAME
 SEQUENCE_CLASSIFICATION = _class_names("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES")
 MULTIPLE_CHOICE = _class_names("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES")
 QUESTION_ANSWERING = _class_names("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES")
-# Heads whose loss is a plain cross-entropy over their labels, by the name used in messages.
-_PLAIN_CROSS_ENTROPY = (
-    ("masked_lm", MASKED_LM, True),
-    ("token_classification", TOKEN_CLASSIFICATION, True),
-    ("multiple_choice", MULTIPLE_CHOICE, False),
-)
 # PEFT adapters that leave the sequence as it is: prefix tuning and cartridges add keys and values, not positions.
 # Every other prompt-learning adapter prepends virtual tokens to the input, so a decoder's logits have more
 # positions than its labels.
@@ -62,8 +59,8 @@ def _problem_type(config, labels: torch.Tensor | None) -> str | None:
     return config.problem_type
 
 
-def _sequence_classification(name: str, config, labels, smoothing: float) -> LossHead:
-    problem = _problem_type(config, labels)
+def _sequence_classification(name: str, model, labels, smoothing: float) -> LossHead:
+    problem = _problem_type(model.config, labels)
     if problem is None:
         raise ProblemTypeUnsettled(f"{name}: problem_type is unset and no labels were seen to settle it.")
     if problem == "single_label_classification":
@@ -77,25 +74,57 @@ def _sequence_classification(name: str, config, labels, smoothing: float) -> Los
     raise UnsupportedHead(f"{name} has an unknown problem_type {problem!r}.")
 
 
+def _question_answering(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s start/end positions.")
+    return QuestionAnsweringHead()
+
+
+def _seq2seq_lm(name: str, model, labels, smoothing: float) -> LossHead:
+    if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
+        # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
+        return LabelsInForwardHead(name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True)
+    return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
+
+
+def _cross_entropy(head_name: str, **options) -> Callable[..., LossHead]:
+    def build(name: str, model, labels, smoothing: float) -> LossHead:
+        return CrossEntropyHead(name=head_name, smoothing=smoothing, **options)
+
+    return build
+
+
+class HeadFamily(NamedTuple):
+    """
+    One row of `HEAD_FAMILIES`: the model classes of a kind of head (by class name), whether they must be
+    encoder-decoders (True), must not be (False) or either (None), and `build(name, model, labels, smoothing)`, which
+    gives their `LossHead` or raises `UnsupportedHead`.
+    """
+
+    classes: frozenset[str]
+    build: Callable[..., LossHead]
+    encoder_decoder: bool | None = None
+
+
+#: The head families, in the order a class name is looked up: the first row that holds it gives its head. A new
+#: family is one `LossHead` module and one row here.
+HEAD_FAMILIES: tuple[HeadFamily, ...] = (
+    HeadFamily(QUESTION_ANSWERING, _question_answering),
+    HeadFamily(SEQUENCE_CLASSIFICATION, _sequence_classification),
+    HeadFamily(SEQ2SEQ_LM, _seq2seq_lm, encoder_decoder=True),
+    HeadFamily(CAUSAL_LM, _cross_entropy("causal_lm", shift=True, per_position=True), encoder_decoder=False),
+    HeadFamily(MASKED_LM, _cross_entropy("masked_lm", per_position=True)),
+    HeadFamily(TOKEN_CLASSIFICATION, _cross_entropy("token_classification", per_position=True)),
+    HeadFamily(MULTIPLE_CHOICE, _cross_entropy("multiple_choice")),
+)
+
+
 def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHead:
-    name, config = _class_name(model), model.config
-    encoder_decoder = getattr(config, "is_encoder_decoder", False)
-    if name in QUESTION_ANSWERING:
-        if smoothing:
-            raise UnsupportedHead(f"label smoothing does not apply to {name}'s start/end positions.")
-        return QuestionAnsweringHead()
-    if name in SEQUENCE_CLASSIFICATION:
-        return _sequence_classification(name, config, sample_labels, smoothing)
-    if encoder_decoder and name in SEQ2SEQ_LM:
-        if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
-            # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
-            return LabelsInForwardHead(name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True)
-        return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
-    if name in CAUSAL_LM and not encoder_decoder:
-        return CrossEntropyHead(name="causal_lm", shift=True, smoothing=smoothing, per_position=True)
-    for head_name, names, per_position in _PLAIN_CROSS_ENTROPY:
-        if name in names:
-            return CrossEntropyHead(name=head_name, smoothing=smoothing, per_position=per_position)
+    name = _class_name(model)
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    for family in HEAD_FAMILIES:
+        if name in family.classes and family.encoder_decoder in (None, encoder_decoder):
+            return family.build(name, model, sample_labels, smoothing)
     raise UnsupportedHead(
         f"{name} is not a head hf_parallel knows (causal/seq2seq/masked LM, token/sequence classification, "
         "multiple choice, question answering)."

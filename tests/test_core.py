@@ -1,0 +1,98 @@
+"""`ExactLoss` without a Trainer (`hf_parallel.exact.core`): head choice and its warnings, step counts, the loss of
+a step, evaluation totals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_parallel.exact import (
+    CrossEntropyHead,
+    ExactLoss,
+    ReplicaCheck,
+    RunContext,
+    StepCounts,
+    Terms,
+    candidate_heads,
+    micro_batch_loss,
+)
+from tests.heads import CASES, batch_of
+from tests.tiny import tiny_bert_classifier
+
+
+def test_fallbacks_warn_once_per_reason(hf_parallel_log):
+    exact = ExactLoss()
+    model = torch.nn.Linear(2, 2)
+    assert exact.head(model) is None
+    assert exact.head(model) is None
+    assert exact.head(tiny_bert_classifier(), blocked="MyTrainer overrides compute_loss.") is None
+    messages = [m for m in hf_parallel_log.messages if m.startswith("exact_loss:")]
+    assert len(messages) == 2, messages
+    assert "Linear has no `config`" in messages[0]
+    assert "MyTrainer overrides compute_loss." in messages[1]
+    assert ExactLoss(enabled=False).head(tiny_bert_classifier()) is None
+
+
+def test_a_step_is_exact_over_micro_batches():
+    case = CASES["llama_causal_lm"]
+    model = case.build(0)
+    whole = batch_of("llama_causal_lm", rows=6)
+    parts = [{k: v[:2] for k, v in whole.items()}, {k: v[2:] for k, v in whole.items()}]
+    exact = ExactLoss(label_names=["labels"])
+    head = exact.head(model, parts[0])
+    step = exact.count_step(head, parts)
+    assert isinstance(step, StepCounts) and step.scale == 1
+    assert step.total().item() == head.count(whole).sum().item()
+    with torch.no_grad():
+        micro = [micro_batch_loss(exact, model, head, part, step, RunContext())[0] for part in parts]
+        expected = model(**whole).loss
+    torch.testing.assert_close(sum(micro), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_divides_once_over_the_whole_set():
+    model = CASES["bert_token_classification"].build(0).eval()
+    whole = batch_of("bert_token_classification", rows=6)
+    exact = ExactLoss()
+    head = exact.head(model, whole)
+    exact.start_evaluation()
+    with torch.no_grad():
+        for rows in (slice(0, 1), slice(1, 6)):  # very uneven batches: a mean of means would be off
+            micro_batch_loss(exact, model, head, {k: v[rows] for k, v in whole.items()}, None, RunContext())
+        expected = model(**whole).loss.item()
+    assert exact.finish_evaluation() == pytest.approx(expected, rel=1e-6)
+    assert exact.finish_evaluation() is None  # nothing open any more
+
+
+def test_ddp_counts_need_a_reduction():
+    with pytest.raises(ValueError, match="needs reduce_sum"):
+        ExactLoss(num_processes=2)
+    exact = ExactLoss(num_processes=2, reduce_sum=lambda counts: counts * 2)  # two identical ranks
+    step = exact.count_step(CrossEntropyHead(), [{"labels": torch.tensor([[1, -100]])}])
+    assert step.counts.tolist() == [2] and step.scale == 2
+    assert StepCounts.as_stock(step).item() == 2
+    assert StepCounts.as_stock(5) == 5
+
+
+def test_a_step_whose_check_switches_the_head_is_recounted_without_rewriting_its_counts():
+    # The check of a step's first micro-batch finds the other shift fits: the step is recounted with it, and the
+    # caller, who keeps passing the StepCounts it was given, gets the new counts from `current_counts`.
+    exact, model = ExactLoss(), torch.nn.Linear(1, 1)  # settle reads only the model's class name
+    batches = [{"labels": torch.tensor([[5, 6, -100]])}, {"labels": torch.tensor([[7, 8, 9]])}]
+    candidates = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
+    step = exact.count_step(candidates[0], batches)
+    assert step.counts.tolist() == [3] and step.micro_batches == 2
+    unknown, ones = torch.full((1, 1), float("nan")), torch.ones(1, 1, dtype=torch.long)
+    check = ReplicaCheck(
+        fits=torch.tensor([[0.0, 1.0]]),  # the unshifted candidate fits, the shifted one does not
+        losses=torch.ones(1, 2, dtype=torch.float64),
+        honours=unknown,
+        decoder=unknown,
+        model_loss=torch.zeros(1),
+        sums=(torch.zeros(1, 1), torch.full((1, 1), 2.0)),
+        counts=(ones, ones),
+    )
+    head, terms = exact.settle(candidates, model, Terms(torch.zeros(1, 1), ones, check=check), step)
+    assert head is candidates[1] and float(terms.sums.sum()) == 2.0  # this micro-batch: the unshifted terms
+    assert exact.current_counts(step).counts.tolist() == [5]  # every target counts unshifted
+    assert step.counts.tolist() == [3]  # the StepCounts the caller holds is not rewritten
+    assert exact.head(model) is candidates[1]  # cached for the model

@@ -1,0 +1,57 @@
+"""
+The padded last step of an epoch under DDP (`hf_parallel.exact.remainder`): which rows of a rank's last batch are
+real, and how padding rows are left out of the targets and the counts. The end-to-end runs (DDP ranks against one
+device on the leftover rows) are in tests/test_exact_loss.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_parallel.exact import CrossEntropyHead, ExactLoss, QuestionAnsweringHead, real_rows
+from hf_parallel.exact.remainder import TARGET_KEYS, first_rows, mask_padding, packed_sample_ids, sample_ids_of
+
+
+@pytest.mark.parametrize(
+    ("rows", "remainder", "process_index", "real"),
+    [
+        (4, 2, 0, 2),  # 2 real rows left for 2 ranks of 4: rank 0 holds both
+        (4, 2, 1, 0),  # rank 1 holds only padding
+        (4, 6, 1, 2),  # 6 left: rank 0 holds 4, rank 1 the other 2
+        (4, 8, 1, 4),  # a whole step left: every row real
+        (4, 0, 0, None),  # the epoch divides evenly: no padding, nothing to mark
+        (4, -1, 1, None),  # not known (an iterable set each rank reads itself, uncounted)
+    ],
+)
+def test_real_rows_of_each_rank(rows, remainder, process_index, real):
+    assert real_rows(rows, remainder=remainder, process_index=process_index) == real
+
+
+def test_padding_rows_are_ignored_in_the_targets_not_dropped():
+    labels = {"labels": torch.tensor([[1, 2], [3, 4], [5, 6]]), "shift_labels": torch.tensor([[2, -100], [4, -100]])}
+    masked = mask_padding(labels, TARGET_KEYS, real=1, sample_ids=None)
+    assert masked["labels"].tolist() == [[1, 2], [-100, -100], [-100, -100]]
+    assert masked["shift_labels"].tolist() == [[2, -100], [-100, -100]]
+    assert labels["labels"].tolist() == [[1, 2], [3, 4], [5, 6]]  # the caller's labels are not changed
+
+
+def test_packed_rows_mask_the_padding_samples_of_a_row():
+    # DataCollatorWithFlattening's one row of samples 0, 0, 1, 1, 1, 2: the first sample is real.
+    batch = {"position_ids": torch.tensor([[0, 1, 0, 1, 2, 0]]), "labels": torch.tensor([[1, 2, 3, 4, 5, 6]])}
+    ids = packed_sample_ids(batch)
+    assert ids.tolist() == [0, 0, 1, 1, 1, 2]
+    assert sample_ids_of(CrossEntropyHead(per_position=True), batch).tolist() == ids.tolist()
+    assert sample_ids_of(CrossEntropyHead(), batch) is None  # not a per-position head: never packed
+    masked = mask_padding({"labels": batch["labels"]}, TARGET_KEYS, real=1, sample_ids=ids)
+    assert masked["labels"].tolist() == [[1, 2, -100, -100, -100, -100]]
+
+
+def test_counts_leave_the_padding_rows_out():
+    exact = ExactLoss()
+    batch = {"labels": torch.tensor([[1, 2, -100], [3, 4, 5]]), "hf_parallel_real_rows": 1}
+    assert exact.count_step(CrossEntropyHead(), [batch]).counts.tolist() == [2]  # row 1 is padding
+    qa = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4]), "hf_parallel_real_rows": 1}
+    qa["attention_mask"] = torch.ones(2, 8)
+    assert exact.count_step(QuestionAnsweringHead(), [qa]).counts.tolist() == [1, 1]
+    assert first_rows(qa, ("start_positions",), 1)["start_positions"].tolist() == [1]
