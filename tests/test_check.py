@@ -33,6 +33,7 @@ from hf_parallel.exact.check import Verdict, Votes, decide
 from hf_parallel.exact.compare import probe_count
 from tests.harness import Topology, max_relative_diff, run_case
 from tests.heads import Case
+from tests.tiny import tiny
 
 VOCAB = 64
 # Long targets: GA 2 x 2 rows x up to 3,000 tokens, about 11,000 items per step and over 5,000 per micro-batch, where
@@ -82,55 +83,19 @@ def test_probe_count_is_no_count_of_items():
 
 def _t5(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_decoder_layers=1,
-        num_heads=2,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        use_cache=False,
-    )
+    config = tiny(T5Config, vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0)
     return T5ForConditionalGeneration(config).to(dtype)
 
 
 def _bart(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=TARGET + 8,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        use_cache=False,
-    )
+    config = tiny(BartConfig, vocab_size=VOCAB, max_position_embeddings=TARGET + 8)
     return BartForConditionalGeneration(config).to(dtype)
 
 
 def _llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=TARGET + 8,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config).to(dtype)
+    return LlamaForCausalLM(tiny(LlamaConfig, vocab_size=VOCAB, max_position_embeddings=TARGET + 8)).to(dtype)
 
 
 def long_seq2seq_rows(n: int, seed: int, target: int = TARGET) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -91,3 +92,37 @@ def qat_model(seed: int, out_features: int = 3, backend: str = "fbgemm") -> Tiny
         warnings.filterwarnings("ignore", "Please use quant_min and quant_max", UserWarning)
         model.qconfig = torch.ao.quantization.get_default_qat_qconfig(backend)
         return torch.ao.quantization.prepare_qat(model)
+
+
+# The sizes of every tiny model built by `tiny`, by the config argument that holds them; a config class takes those
+# its constructor names.
+TINY_SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd"), 16),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers"), 1),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads"), 2),
+    **dict.fromkeys(("encoder_attention_heads", "decoder_attention_heads"), 2),
+    **dict.fromkeys(("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim"), 32),
+    "num_key_value_heads": 1,
+    "d_kv": 8,
+    "vocab_size": VOCAB,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), 32),
+    **dict.fromkeys(("dropout", "dropout_rate", "attention_dropout", "activation_dropout"), 0.0),
+    **dict.fromkeys(("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop"), 0.0),
+    "attn_pdrop": 0.0,
+    "use_cache": False,
+}
+
+
+def tiny(config_class: type, **overrides):
+    """
+    A tiny config of `config_class`: `TINY_SIZES` where its constructor takes them, then `overrides`.
+
+    ```python
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny(LlamaConfig, vocab_size=1000))
+    ```
+    """
+    accepted = inspect.signature(config_class.__init__).parameters
+    sizes = {key: value for key, value in TINY_SIZES.items() if key in accepted}
+    return config_class(**{**sizes, **overrides})
