@@ -27,7 +27,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from tests.tiny import VOCAB, ListDataset, classification_rows, tiny_bert_classifier, tiny_bert_config
+from tests.tiny import VOCAB, ListDataset, classification_rows, tiny, tiny_bert_classifier, tiny_bert_config
 
 SEQ = 8
 NUM_LABELS = 3
@@ -35,54 +35,18 @@ NUM_LABELS = 3
 
 def _gpt2(seed: int):
     torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(tiny(GPT2Config))
 
 
 def llama(seed: int, **config):
     """The tiny Llama of the matrix; `config` overrides its settings (e.g. a wider vocabulary)."""
     torch.manual_seed(seed)
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(LlamaConfig(**{**settings, **config}))
+    return LlamaForCausalLM(tiny(LlamaConfig, **config))
 
 
 def _bart(seed: int):
     torch.manual_seed(seed)
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        use_cache=False,
-    )
-    return BartForConditionalGeneration(config)
+    return BartForConditionalGeneration(tiny(BartConfig))
 
 
 def _lora(build: Callable[[int], torch.nn.Module], task_type: str, target_modules: list[str]):

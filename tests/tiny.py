@@ -13,18 +13,7 @@ VOCAB = 50
 
 
 def tiny_bert_config(**overrides) -> BertConfig:
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    kwargs.update(overrides)
-    return BertConfig(**kwargs)
+    return tiny(BertConfig, **overrides)
 
 
 def tiny_bert_classifier(seed: int = 0, num_labels: int = 2, **config) -> BertForSequenceClassification:
