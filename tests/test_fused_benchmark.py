@@ -22,6 +22,7 @@ def test_quick_sizes_run_both_trainers_and_the_table_shows_the_logits_record():
         assert result["errors"] == {}, workload
         assert set(result["peak_mib"]) == {"stock", "hf_parallel"}, workload
         assert all(peak >= 0 for peak in result["peak_mib"].values()), workload
+        assert all(seconds > 0 for seconds in result["seconds"].values()), workload
     fused = results["fused"]["forwards"]
     # One optimizer step of gradient accumulation 2: stock runs the fused path in both micro-batches.
     assert fused["stock"] == {"fused": sizes.grad_accum, "logits": 0}
@@ -30,22 +31,25 @@ def test_quick_sizes_run_both_trainers_and_the_table_shows_the_logits_record():
 
     lines = fused_memory.table(results)
     cells = [[cell.strip() for cell in line.split("|")] for line in lines]
-    assert cells[0] == ["workload", "stock MiB", "hf_parallel MiB", "ratio", "full logits built: stock", "hf_parallel"]
+    header = ["workload", "stock MiB", "hf_parallel MiB", "ratio", "time ratio", "full logits built: stock"]
+    assert cells[0] == [*header, "hf_parallel"]
     assert [row[0] for row in cells[1:]] == ["fused", "plain"]
-    assert cells[1][4] == "no (0 of 2 forwards)"
-    assert cells[2][4:] == ["always", "always"]
+    assert float(cells[1][4]) > 0  # hf_parallel's seconds over stock's
+    assert cells[1][5] == "no (0 of 2 forwards)"
+    assert cells[2][5:] == ["always", "always"]
 
 
 def test_a_failed_side_is_shown_in_the_table_not_as_a_figure():
     results = {
         "fused": {
             "peak_mib": {"stock": 300.0, "hf_parallel": None},
+            "seconds": {"stock": 12.0, "hf_parallel": None},
             "forwards": {"stock": {"fused": 6, "logits": 0}, "hf_parallel": None},
             "errors": {"hf_parallel": "KeyError: 'logits'"},
         }
     }
     cells = [cell.strip() for cell in fused_memory.table(results)[1].split("|")]
-    assert cells == ["fused", "300.0", "failed", "-", "no (0 of 6 forwards)", "failed: KeyError: 'logits'"]
+    assert cells == ["fused", "300.0", "failed", "-", "-", "no (0 of 6 forwards)", "failed: KeyError: 'logits'"]
 
 
 def test_options_quick_defaults_and_liger_needs_liger_kernel(capsys):
