@@ -28,9 +28,9 @@ Trainer takes `loss.mean()`), `hf_parallel.Trainer` with the even split, and `hf
 - Peak memory, steady state: `torch.cuda.max_memory_allocated(d)` of each GPU over the steps after the warm-up: the
   peak statistics are reset at the end of step `--warmup` (at least 1: the first step allocates the optimizer state),
   and for hf_parallel again at the end of each later step while its check of the loss head against the model's own
-  loss is undecided (a checked forward keeps the labels in the model's inputs, several logits-sized buffers per
-  replica in backward: two more fp32 ones are about 17 GB at B = 8, T = 2048, V = 128k; usually the first step
-  alone, up to 8 on an untrained model whose loss cannot tell the candidate heads apart), as long as a step remains.
+  loss is undecided (a checked forward keeps the labels in the model's inputs and computes the candidate heads;
+  usually the first step alone, up to 8 on an untrained model whose loss cannot tell the candidate heads apart), as
+  long as a step remains.
   So the check's steps are excluded; the table says which steps the peak covers and whether the check had settled
   before them (`UNDECIDED`: it ran on to the end, and the peak includes it), and the warm-up's own peak (the check's
   included) is printed below it.

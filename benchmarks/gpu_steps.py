@@ -111,9 +111,9 @@ class SteadyState(transformers.TrainerCallback):
     at the end of step `warmup`, and again at the end of each later step while hf_parallel's check of its loss head
     against the model's own loss is undecided (as long as a step remains): the peaks read after training and the
     `times` kept are those of the steps after `since`, steady state. The first step allocates the optimizer state; a
-    checked forward keeps the labels in the model's inputs (several logits-sized buffers per replica in backward: two
-    more fp32 ones, 2·B·T·V·4 bytes, are about 17 GB at B = 8, T = 2048, V = 128k), for up to `MAX_CHECKS` (8) steps
-    on an untrained model whose loss cannot tell the candidate heads apart.
+    checked forward keeps the labels in the model's inputs and computes the candidate heads (without autograd, in
+    chunks, where the gradient can come from the model's own loss; else each with its graph, a logits-sized buffer
+    more per candidate), for up to `MAX_CHECKS` (8) steps on an untrained model whose loss cannot tell them apart.
 
     Attributes:
         exact (`ExactLoss` or `None`): the Trainer's `exact` (hf_parallel's; stock has no check), set by `train`.

@@ -207,9 +207,9 @@ class Gpu0BszAdvisorCallback(TrainerCallback):
     the `gpu0_bsz` that would even it out (`hf_parallel.data_parallel.suggest_gpu0_bsz`), once: as a warning and as
     `gpu0_bsz_suggested` in the next log. The steps measured follow the first one (which allocates the optimizer
     state) and, given `exact`, the check of `hf_parallel.Trainer`'s loss head against the model's own loss (whose
-    forward keeps the labels: several logits-sized buffers per replica in backward, for as long as the check is
-    undecided): the peak statistics are reset when they start, so a `PeakMemoryCallback` log of that interval starts
-    there too. The split measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set, else torch's even chunks. The
+    forward keeps the labels and computes the candidate heads, for as long as the check is undecided): the peak
+    statistics are reset when they start, so a `PeakMemoryCallback` log of that interval starts there too. The split
+    measured is the one in use: `gpu0_bsz` / `gpu0_weight` if set, else torch's even chunks. The
     per-row memory cost is estimated on the other GPUs, net of a replica's static memory (`replica_static_bytes`: its
     parameter and buffer copies, and the gradients of its trainable parameters). When even `gpu0_bsz=0` would leave
     GPU 0 the highest, no value evens the load: the warning says so, with the predicted peaks, and

@@ -142,10 +142,10 @@ class ExactLoss:
     @property
     def checks_settled(self) -> bool:
         """
-        Whether the check against the model's own loss (`SelfCheck`) is decided for every head chosen so far, so that
-        no later forward carries it (a checked forward keeps the labels in the model's inputs: its backward holds
-        several logits-sized buffers per replica where a plain one holds one). True before any head is chosen and for
-        heads that need no check (the stock loss, a `compute_loss_func`'s head: `_key(...)[2]`).
+        Whether the check against the model's own loss (`ModelLossCheck`) is decided for every head chosen so far, so
+        that no later forward carries it (a checked forward keeps the labels in the model's inputs and computes the
+        candidate heads too). True before any head is chosen and for heads that need no check (the stock loss, a
+        `compute_loss_func`'s head: `_key(...)[2]`).
         """
         return all(head is None or key[2] or self.check.decided(key) for key, (_, head) in self._heads.items())
 
