@@ -23,6 +23,7 @@ import warnings
 import torch
 import transformers
 
+from tests.epochs import EPOCH, update_error
 from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
 from tests.heads import CASES
 
@@ -48,7 +49,6 @@ DDP = [
 ]
 
 
-EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}
 EPOCH_CASES = [
     # label, case, rows, per-device batch, gradient accumulation
     ("BERT cls, 10 rows, 2 ranks x 4", "bert_single_label", 10, 4, 1),
@@ -56,11 +56,6 @@ EPOCH_CASES = [
     ("Llama LM, 10 rows, 2 ranks x 4", "llama_causal_lm", 10, 4, 1),
     ("BERT cls, 9 rows, 2 ranks x 4", "bert_single_label", 9, 4, 1),
 ]
-
-
-def update_error(result: dict, reference: dict, initial: dict) -> float:
-    update = max((reference[n] - initial[n]).abs().max().item() for n in initial)
-    return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
 
 
 def epoch_remainder() -> None:
@@ -77,18 +72,18 @@ def epoch_remainder() -> None:
         reference = run_case(case, Topology("one device", per_device=8), train_rows=rows, **EPOCH)
         initial = {n: p.detach() for n, p in CASES[case].build(0).named_parameters()}
         stock, ours = results[(label, True)], results[(label, False)]
-        last = [r["losses"][-1] / reference["losses"][-1] for r in (stock, ours)]
-        off = [update_error(r["params"], reference["params"], initial) for r in (stock, ours)]
+        last = [r.losses[-1] / reference.losses[-1] for r in (stock, ours)]
+        off = [update_error(r.params, reference.params, initial) for r in (stock, ours)]
         print(f"{label:<42} last-step loss {last[0]:7.3f} {last[1]:7.4f} | params off {off[0]:7.3f} {off[1]:7.1e}")
 
 
 def grad_norm(result: dict) -> float:
-    return math.sqrt(sum(g.double().pow(2).sum().item() for g in result["grads"].values()))
+    return math.sqrt(sum(g.double().pow(2).sum().item() for g in result.grads.values()))
 
 
 def row(label: str, reference: dict, stock: dict, ours: dict) -> None:
     cells = []
-    for name, get in (("loss", lambda r: r["loss"]), ("grad", grad_norm), ("eval", lambda r: r["eval_loss"])):
+    for name, get in (("loss", lambda r: r.loss), ("grad", grad_norm), ("eval", lambda r: r.eval_loss)):
         ref = get(reference) or float("nan")
         cells.append(f"{name} {get(stock) / ref:7.3f} {get(ours) / ref:7.4f}")
     print(f"{label:<42} " + " | ".join(cells))

@@ -42,9 +42,9 @@ def main(argv=None) -> None:
     for label, (topology, is_stock) in configurations.items():
         # The first step also checks the head against the model's own loss (its terms travel too): measure the
         # second step, as the difference between a 2-step and a 1-step run.
-        first = run_case(case, topology, stock=is_stock, eval_rows=0, train_rows=2 * batch)["emulation"]
+        first = run_case(case, topology, stock=is_stock, eval_rows=0, train_rows=2 * batch).emulation
         both = run_case(case, topology, stock=is_stock, eval_rows=0, train_rows=2 * batch, max_steps=2)
-        emulation = both["emulation"]
+        emulation = both.emulation
         step_one, later = sum(first.gathered_bytes), sum(emulation.gathered_bytes) - sum(first.gathered_bytes)
         stock = later if stock is None else stock
         rows = dict.fromkeys(range(n), 0) | dict(

@@ -13,12 +13,14 @@ gradient and the parameters after the step must equal those of one process with 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,30 @@ class Capture(transformers.TrainerCallback):
                 self.loss = logs["loss"]
 
 
+@dataclass
+class RunResult:
+    """
+    What `run_case` reports of one training: the first logged loss and every logged one, `train_loss`, `eval_loss`
+    (None without evaluation), the first step's gradient and the parameters after training (by name), the wrapper
+    the Trainer trained through (`wrapped`), the topology it saw, the trainer itself (None once it crossed processes),
+    the emulated DataParallel's records (`emulation`, None without it) and, from a DDP spawn, how far the ranks'
+    parameters are apart.
+    """
+
+    loss: float | None
+    losses: list[float]
+    train_loss: float
+    eval_loss: float | None
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    wrapped: str
+    world_size: int
+    parallel_mode: str
+    trainer: Any = None
+    emulation: Any = None
+    max_rank_param_diff: float | None = None
+
+
 def run_case(
     case: str | Case,
     topology: Topology,
@@ -126,12 +152,11 @@ def run_case(
 ) -> dict:
     """
     Train `case` (a name in `CASES`, or a `Case`) under `topology` for one SGD step (`SGD_STEP`; `overrides` change
-    it) and evaluate; return the logged loss(es), train_loss, eval_loss, the first step's gradient, the parameters
-    after training, the topology the Trainer saw, and the trainer itself.
+    it) and evaluate; return a `RunResult`.
 
     `evaluate_first` (the default) evaluates before training, on purpose: under DDP stock then trains without DDP,
     so every DDP case also checks that hf_parallel still wraps the model. `eval_rows=0` does not evaluate at all.
-    Under emulated DataParallel, `result["emulation"]` holds its records (chunk sizes, bytes gathered).
+    Under emulated DataParallel, `result.emulation` holds its records (chunk sizes, bytes gathered).
     `iterable` trains on the rows as an iterable dataset (no length), which accelerate dispatches from rank 0 under
     DDP. `classes` (a Trainer and an arguments class) replaces hf_parallel's (or, with `stock`, transformers').
     """
@@ -166,19 +191,19 @@ def run_case(
             if eval_rows and not evaluate_first:
                 eval_loss = trainer.evaluate()["eval_loss"]
         model = trainer.accelerator.unwrap_model(trainer.model)
-        return {
-            "loss": capture.loss,
-            "losses": capture.losses,
-            "train_loss": train_loss,
-            "eval_loss": eval_loss,
-            "grads": capture.grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "wrapped": type(trainer.model_wrapped).__name__,
-            "world_size": trainer.args.world_size,
-            "parallel_mode": str(trainer.args.parallel_mode),
-            "trainer": trainer,
-            "emulation": emulation,  # what the emulated DataParallel moved (None without it)
-        }
+        return RunResult(
+            loss=capture.loss,
+            losses=capture.losses,
+            train_loss=train_loss,
+            eval_loss=eval_loss,
+            grads=capture.grads,
+            params={n: p.detach().clone() for n, p in model.named_parameters()},
+            wrapped=type(trainer.model_wrapped).__name__,
+            world_size=trainer.args.world_size,
+            parallel_mode=str(trainer.args.parallel_mode),
+            trainer=trainer,
+            emulation=emulation,
+        )
 
 
 def runs_worker(runs: dict[str, tuple[str, Topology, bool, dict]], out_dir: str) -> None:
@@ -189,13 +214,12 @@ def runs_worker(runs: dict[str, tuple[str, Topology, bool, dict]], out_dir: str)
     results = {}
     for name, (case, topology, stock, overrides) in runs.items():
         result = run_case(case, topology, stock=stock, **overrides)
-        del result["trainer"]
         # Parameters must be equal on every rank, or the ranks trained apart.
-        flat = torch.cat([p.flatten() for p in result["params"].values()])
+        flat = torch.cat([p.flatten() for p in result.params.values()])
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
-        result["max_rank_param_diff"] = max((g - flat).abs().max().item() for g in gathered)
-        results[name] = result
+        spread = max((g - flat).abs().max().item() for g in gathered)
+        results[name] = dataclasses.replace(result, trainer=None, emulation=None, max_rank_param_diff=spread)
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()

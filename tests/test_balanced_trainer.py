@@ -72,7 +72,7 @@ def test_balanced_training_is_exact(case, emulations):
     common = dict(train_rows=rows, eval_rows=5, evaluate_first=False, max_steps=steps)
     splits = StepSplits(emulations)
     result = run_case(CLASSIFIER, topology, **common, callbacks=(splits,), **options)
-    trainer = result["trainer"]
+    trainer = result.trainer
     assert trainer.args.n_gpu == n_devices
     assert trainer.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED
     # The balanced wrapper, over the emulation's virtual devices.
@@ -84,11 +84,11 @@ def test_balanced_training_is_exact(case, emulations):
     assert splits.steps[-1] and all(split == last_split for split in splits.steps[-1]), splits.steps[-1]
     one_device = Topology("one device", per_device * n_devices, accumulation)
     single = run_case(CLASSIFIER, one_device, **common, per_device_eval_batch_size=2 * n_devices)
-    assert len(result["losses"]) == len(single["losses"]) == steps
-    for step, (ours, reference) in enumerate(zip(result["losses"], single["losses"], strict=True)):
+    assert len(result.losses) == len(single.losses) == steps
+    for step, (ours, reference) in enumerate(zip(result.losses, single.losses, strict=True)):
         assert ours == pytest.approx(reference, rel=1e-5), f"logged loss of step {step}"
-    assert result["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
-    params, params_1 = result["params"], single["params"]
+    assert result.eval_loss == pytest.approx(single.eval_loss, rel=1e-5)
+    params, params_1 = result.params, single.params
     for name in params_1:
         torch.testing.assert_close(params[name], params_1[name], rtol=1e-5, atol=1e-6, msg=name)
     initial = dict(CLASSIFIER.build(0).named_parameters())
@@ -99,7 +99,7 @@ def test_evaluation_batches_are_balanced_too(emulations):
     # Training batches of 6 on 3 devices with gpu0_bsz=1 are split [1, 3, 2]; the evaluation batch of 5 rows
     # (per_device_eval_batch_size 2 x 3, 5 rows in the set) is split [1, 2, 2].
     topology = Topology("DP 3, gpu0_bsz=1", per_device=2, dp_devices=3, gpu0_bsz=1)
-    trainer = run_case(CLASSIFIER, topology, train_rows=6, eval_rows=0)["trainer"]
+    trainer = run_case(CLASSIFIER, topology, train_rows=6, eval_rows=0).trainer
     (training,) = emulations
     assert training.chunk_sizes and all(split == [1, 3, 2] for split in training.chunk_sizes), training.chunk_sizes
     seen = []
@@ -168,7 +168,7 @@ def test_ignored_on_one_device_with_one_warning(hf_parallel_log):
     result = run_case(CLASSIFIER, topology, train_rows=4, eval_rows=2, evaluate_first=False, max_steps=2)
     assert hf_parallel_log.text.count("gpu0_bsz=1 is ignored") == 1, hf_parallel_log.text
     assert "one device" in hf_parallel_log.text
-    trainer = result["trainer"]
+    trainer = result.trainer
     assert trainer.model_wrapped is trainer.model  # not wrapped at all
 
 
@@ -176,12 +176,12 @@ def test_without_options_the_even_split_wrapper_is_used(emulations):
     # Where stock wraps in nn.DataParallel, hf_parallel.Trainer (exact loss) wraps in ExactDataParallel: torch's
     # split, not a balanced one.
     result = run_case(CLASSIFIER, Topology("DP 2", per_device=2, dp_devices=2), train_rows=4, eval_rows=0)
-    assert result["wrapped"] == "ExactDataParallel"
-    assert type(result["trainer"].model_wrapped) is hf_parallel.ExactDataParallel
+    assert result.wrapped == "ExactDataParallel"
+    assert type(result.trainer.model_wrapped) is hf_parallel.ExactDataParallel
     (emulation,) = emulations
     assert emulation.chunk_sizes and all(split == [2, 2] for split in emulation.chunk_sizes)
     stock = run_case(CLASSIFIER, Topology("DP 2", per_device=2, dp_devices=2), stock=True, train_rows=4, eval_rows=0)
-    assert stock["wrapped"] == "DataParallel"
+    assert stock.wrapped == "DataParallel"
 
 
 def _ddp_worker(output_dir):

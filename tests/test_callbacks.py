@@ -96,7 +96,7 @@ def test_callbacks_do_nothing_on_cpu(no_gpus):
     advisor = Gpu0BszAdvisorCallback(after_steps=1)
     topology = Topology("DP 2", per_device=2, dp_devices=2)
     callbacks = (PeakMemoryCallback(), advisor)
-    trainer = run_case(CLASSIFIER, topology, train_rows=8, eval_rows=0, max_steps=2, callbacks=callbacks)["trainer"]
+    trainer = run_case(CLASSIFIER, topology, train_rows=8, eval_rows=0, max_steps=2, callbacks=callbacks).trainer
     assert not any(key.startswith("peak_memory") for h in trainer.state.log_history for key in h)
     assert advisor.suggestion is None and advisor.measured == {}
     assert trainer.exact.checks_settled  # a classifier's one candidate head: decided at the first step

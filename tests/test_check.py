@@ -152,14 +152,14 @@ def test_real_size_step_is_exact_whether_the_loss_honours_the_count(name, topolo
     loss, grads, items = _reference(case, ROWS, torch.float32)
     assert items > 8000  # the size the check must hold at
     result = run_case(_case(name, build, rows, torch.float32), topology, train_rows=ROWS, eval_rows=0)
-    honours = result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
+    honours = result.trainer.exact.head(result.trainer.model).route is Route.MODEL_LOSS
     assert honours == (name == "llama")
-    assert result["loss"] == pytest.approx(loss, rel=1e-5)
-    assert max_relative_diff(result["grads"], grads) < 1e-4
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    assert max_relative_diff(result.grads, grads) < 1e-4
     if name != "llama":  # stock is exact where the loss honours the count; the control must differ elsewhere
         stock = run_case(_case(name, build, rows, torch.float32), topology, stock=True, train_rows=ROWS, eval_rows=0)
         # GA: a sum of micro-batch means (not divided by GA); DP: each replica's mean, summed (x n_gpu).
-        assert stock["loss"] / loss == pytest.approx(2.0, rel=0.2)
+        assert stock.loss / loss == pytest.approx(2.0, rel=0.2)
 
 
 @pytest.mark.parametrize("name", ["bart", "llama"])
@@ -173,15 +173,15 @@ def test_half_precision_loss_is_judged_at_hundreds_of_items(name):
     loss, grads, items = _reference(short, ROWS, torch.float16)
     assert items > 400
     result = run_case(_case(name, build, short.rows, torch.float16), GA2, train_rows=ROWS, eval_rows=0)
-    honours = result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
+    honours = result.trainer.exact.head(result.trainer.model).route is Route.MODEL_LOSS
     assert honours == (name == "llama")
     # float16 rounding of the loss and of the gradient's accumulation: about 1e-3; a count taken as honoured while
     # the loss ignores it, or the stock loss, is x2.
-    assert result["loss"] == pytest.approx(loss, rel=5e-3)
-    assert max_relative_diff({k: v.float() for k, v in result["grads"].items()}, grads) < 1e-2
+    assert result.loss == pytest.approx(loss, rel=5e-3)
+    assert max_relative_diff({k: v.float() for k, v in result.grads.items()}, grads) < 1e-2
     if name != "llama":
         stock = run_case(_case(name, build, short.rows, torch.float16), GA2, stock=True, train_rows=ROWS, eval_rows=0)
-        assert stock["loss"] / loss == pytest.approx(2.0, rel=0.2)
+        assert stock.loss / loss == pytest.approx(2.0, rel=0.2)
 
 
 class SavedLogits(transformers.TrainerCallback):

@@ -244,17 +244,17 @@ def test_stock_trainer_even_split_matches_single_process():
     # loss by n_gpu (its num_items_in_batch scaling, which a mean-loss head ignores).
     one = _stock_run(1, 4, average_tokens_across_devices=False)
     two = _stock_run(2, 4, average_tokens_across_devices=False)
-    assert two["wrapped"] == "DataParallel"
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    for name in one["params"]:
-        torch.testing.assert_close(two["params"][name], one["params"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert two.wrapped == "DataParallel"
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    for name in one.params:
+        torch.testing.assert_close(two.params[name], one.params[name], rtol=1e-5, atol=1e-7, msg=name)
     initial = dict(CLASSIFIER.build(0).named_parameters())
-    assert any(not torch.equal(one["params"][n], initial[n]) for n in initial)  # it did train
+    assert any(not torch.equal(one.params[n], initial[n]) for n in initial)  # it did train
 
 
 def test_stock_trainer_uneven_split_has_the_known_error():
     # 3 rows on 2 devices split [2, 1]: stock averages the two chunk means and, with the default
     # average_tokens_across_devices=True on a model that takes loss kwargs, multiplies by n_gpu: about x2.0.
-    loss_1 = _stock_run(1, 3)["loss"]
-    loss_2 = _stock_run(2, 3)["loss"]
+    loss_1 = _stock_run(1, 3).loss
+    loss_2 = _stock_run(2, 3).loss
     assert loss_2 / loss_1 == pytest.approx(2.0, rel=0.1)  # x2.0 (2.058 with this seed)

@@ -79,10 +79,10 @@ def single(case: str) -> dict:
 
 
 def assert_equivalent(result: dict, reference: dict, what: str) -> None:
-    assert result["loss"] == pytest.approx(reference["loss"], rel=TOL), f"{what}: logged loss"
-    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=TOL), f"{what}: eval_loss"
-    assert max_relative_diff(result["grads"], reference["grads"]) < TOL, f"{what}: gradient"
-    assert max_relative_diff(result["params"], reference["params"]) < TOL, f"{what}: parameters after the step"
+    assert result.loss == pytest.approx(reference.loss, rel=TOL), f"{what}: logged loss"
+    assert result.eval_loss == pytest.approx(reference.eval_loss, rel=TOL), f"{what}: eval_loss"
+    assert max_relative_diff(result.grads, reference.grads) < TOL, f"{what}: gradient"
+    assert max_relative_diff(result.params, reference.params) < TOL, f"{what}: parameters after the step"
 
 
 # ---- The reference: what one device computes on the whole step --------------------------------------------------
@@ -105,8 +105,8 @@ def test_single_process_equals_the_model_loss_on_the_whole_batch(case):
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     result = single(case)
-    assert result["loss"] == pytest.approx(loss.item(), rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss.item(), rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
 
 
 # ---- The matrix ----------------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_in_process_topologies_equal_one_process(case, topology):
     result = run_case(case, topology)
     if topology.dp_devices > 1:
         balanced = topology.gpu0_bsz is not None or topology.gpu0_weight is not None
-        assert result["wrapped"] == ("BalancedDataParallel" if balanced else "ExactDataParallel")
+        assert result.wrapped == ("BalancedDataParallel" if balanced else "ExactDataParallel")
     assert_equivalent(result, single(case), f"{case} under {topology.name}")
 
 
@@ -158,11 +158,11 @@ def ddp_results(tmp_path_factory) -> dict:
 def test_ddp_two_ranks_equal_one_process(ddp_results):
     for case in CASE_NAMES:
         result = ddp_results[f"DDP 2: {case}"]
-        assert result["world_size"] == 2
-        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
+        assert result.world_size == 2
+        assert result.parallel_mode == "ParallelMode.DISTRIBUTED"
         # evaluate() ran before train(): the model must still train wrapped in DDP, with equal ranks.
-        assert result["wrapped"] == "DistributedDataParallel"
-        assert result["max_rank_param_diff"] == 0.0
+        assert result.wrapped == "DistributedDataParallel"
+        assert result.max_rank_param_diff == 0.0
         assert_equivalent(result, single(case), f"{case} under DDP 2")
 
 
@@ -170,11 +170,11 @@ def test_ddp_two_ranks_equal_one_process(ddp_results):
 def test_ddp_with_gradient_accumulation_equals_one_process(ddp_results):
     for case in GA_CASES:
         result = ddp_results[f"{DDP2_GA2.name}: {case}"]
-        assert result["world_size"] == 2
-        assert result["wrapped"] == "DistributedDataParallel"
-        assert result["max_rank_param_diff"] == 0.0
+        assert result.world_size == 2
+        assert result.wrapped == "DistributedDataParallel"
+        assert result.max_rank_param_diff == 0.0
         assert_equivalent(result, single(case), f"{case} under {DDP2_GA2.name}")
-        assert result["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
+        assert result.train_loss == pytest.approx(single(case).loss, rel=TOL)
 
 
 @pytest.mark.slow
@@ -182,9 +182,9 @@ def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(ddp_results):
     """With no logging step before the end, train_loss comes from each rank's remainder: averaged, not local."""
     for case in UNLOGGED_CASES:
         result = ddp_results[f"unlogged: {case}"]
-        assert result["world_size"] == 2
-        assert result["loss"] is None  # nothing was logged during training
-        assert result["train_loss"] == pytest.approx(single(case)["loss"], rel=TOL)
+        assert result.world_size == 2
+        assert result.loss is None  # nothing was logged during training
+        assert result.train_loss == pytest.approx(single(case).loss, rel=TOL)
 
 
 # ---- Controls: stock transformers differs, as the README says -----------------------------------------------------
@@ -193,8 +193,8 @@ def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(ddp_results):
 def test_control_stock_gradient_accumulation_doubles_the_classifier_loss():
     topology = IN_PROCESS[0]
     stock = run_case("bert_single_label", topology, stock=True)
-    assert stock["loss"] / single("bert_single_label")["loss"] == pytest.approx(2.0, rel=1e-4)
-    assert max_relative_diff(stock["grads"], single("bert_single_label")["grads"]) > 0.5
+    assert stock.loss / single("bert_single_label").loss == pytest.approx(2.0, rel=1e-4)
+    assert max_relative_diff(stock.grads, single("bert_single_label").grads) > 0.5
 
 
 def test_control_stock_gpt2_counts_unshifted_tokens():
@@ -203,7 +203,7 @@ def test_control_stock_gpt2_counts_unshifted_tokens():
     labels = torch.stack([row["labels"] for row in lm_rows(TRAIN_ROWS, 1)])
     shifted, unshifted = labels[:, 1:].ne(-100).sum().item(), labels.ne(-100).sum().item()
     assert shifted < unshifted
-    assert stock["loss"] == pytest.approx(single("gpt2_causal_lm")["loss"] * shifted / unshifted, rel=TOL)
+    assert stock.loss == pytest.approx(single("gpt2_causal_lm").loss * shifted / unshifted, rel=TOL)
 
 
 @pytest.mark.parametrize(
@@ -220,10 +220,10 @@ def test_control_stock_data_parallel_is_wrong_and_exact_is_not(case, topology, r
     reference = run_case(case, SINGLE, train_rows=rows)
     stock = run_case(case, topology, stock=True, train_rows=rows)
     ours = run_case(case, topology, train_rows=rows)
-    assert abs(stock["loss"] / reference["loss"] - 1) > 0.05
-    assert max_relative_diff(stock["grads"], reference["grads"]) > 0.05
-    assert ours["loss"] == pytest.approx(reference["loss"], rel=TOL)
-    assert max_relative_diff(ours["grads"], reference["grads"]) < TOL
+    assert abs(stock.loss / reference.loss - 1) > 0.05
+    assert max_relative_diff(stock.grads, reference.grads) > 0.05
+    assert ours.loss == pytest.approx(reference.loss, rel=TOL)
+    assert max_relative_diff(ours.grads, reference.grads) < TOL
 
 
 def one_target_rows(n: int, seed: int) -> list[dict]:
@@ -243,30 +243,30 @@ def test_control_stock_nan_with_one_target_and_averaging_off(monkeypatch):
     monkeypatch.setitem(heads.CASES, "one_target", heads.Case("one_target", heads.llama, one_target_rows))
     topology = Topology("DP 2", per_device=2, dp_devices=2)
     stock = run_case("one_target", topology, stock=True, train_rows=4, average_tokens_across_devices=False)
-    assert not torch.isfinite(torch.tensor(stock["loss"]))
-    assert not all(torch.isfinite(p).all() for p in stock["params"].values())
+    assert not torch.isfinite(torch.tensor(stock.loss))
+    assert not all(torch.isfinite(p).all() for p in stock.params.values())
 
     reference = run_case("one_target", SINGLE, train_rows=4)
     ours = run_case("one_target", topology, train_rows=4, average_tokens_across_devices=False)
-    assert torch.isfinite(torch.tensor(ours["loss"]))
-    assert ours["loss"] == pytest.approx(reference["loss"], rel=TOL)
-    assert max_relative_diff(ours["grads"], reference["grads"]) < TOL
+    assert torch.isfinite(torch.tensor(ours.loss))
+    assert ours.loss == pytest.approx(reference.loss, rel=TOL)
+    assert max_relative_diff(ours.grads, reference.grads) < TOL
 
 
 def test_control_stock_eval_loss_is_a_mean_of_batch_means():
     stock = run_case("bert_masked_lm", SINGLE, stock=True)
     ours = single("bert_masked_lm")
-    assert abs(stock["eval_loss"] / ours["eval_loss"] - 1) > 1e-3
+    assert abs(stock.eval_loss / ours.eval_loss - 1) > 1e-3
 
 
 @pytest.mark.slow
 def test_control_stock_ddp(ddp_results):
     """Stock under 2-rank DDP: the classifier's loss and gradient x2, and evaluate() before train() skips DDP."""
     stock = ddp_results["stock DDP 2: bert_single_label"]
-    assert stock["world_size"] == 2
-    assert stock["wrapped"] != "DistributedDataParallel"  # the trap: never wrapped after evaluate()
-    assert stock["max_rank_param_diff"] > 0  # so the ranks drifted apart
-    assert stock["loss"] / single("bert_single_label")["loss"] == pytest.approx(2.0, rel=1e-4)
+    assert stock.world_size == 2
+    assert stock.wrapped != "DistributedDataParallel"  # the trap: never wrapped after evaluate()
+    assert stock.max_rank_param_diff > 0  # so the ranks drifted apart
+    assert stock.loss / single("bert_single_label").loss == pytest.approx(2.0, rel=1e-4)
 
 
 # ---- Edges ---------------------------------------------------------------------------------------------------------
@@ -285,18 +285,18 @@ def test_a_step_without_targets_contributes_zero_not_nan(monkeypatch, topology):
 
     monkeypatch.setitem(heads.CASES, "no_target", heads.Case("no_target", heads._gpt2, no_target_rows))
     result = run_case("no_target", topology)
-    assert result["loss"] == 0.0
-    assert result["eval_loss"] == 0.0
-    assert all(g.abs().max().item() == 0.0 for g in result["grads"].values())
+    assert result.loss == 0.0
+    assert result.eval_loss == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in result.grads.values())
 
 
 def test_exact_loss_off_is_stock():
     topology = IN_PROCESS[0]
     ours = run_case("bert_single_label", topology, exact_loss=False)
     stock = run_case("bert_single_label", topology, stock=True)
-    assert ours["loss"] == stock["loss"]
-    assert ours["eval_loss"] == stock["eval_loss"]
-    assert max_relative_diff(ours["grads"], stock["grads"]) == 0.0
+    assert ours.loss == stock.loss
+    assert ours.eval_loss == stock.eval_loss
+    assert max_relative_diff(ours.grads, stock.grads) == 0.0
 
 
 def sum_over_items(outputs, labels, num_items_in_batch):
@@ -323,7 +323,7 @@ def test_user_compute_loss_func_stays_exact(tmp_path, topology):
             trainer.train()
     else:
         trainer.train()
-    assert capture.losses[0] == pytest.approx(single("bert_single_label")["loss"], rel=TOL)
+    assert capture.losses[0] == pytest.approx(single("bert_single_label").loss, rel=TOL)
 
 
 class TinyCustom(torch.nn.Module):
@@ -437,13 +437,13 @@ def test_the_last_step_of_an_epoch_equals_one_device_on_the_leftover_rows(name, 
     iterable = name in EPOCH_RUNS_ITERABLE
     case, rows, _, _ = (EPOCH_RUNS_ITERABLE if iterable else EPOCH_RUNS)[name]
     result, reference = epoch_results[name], one_device_epoch(case, rows, **(ITERABLE if iterable else {}))
-    assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
-    assert result["max_rank_param_diff"] == 0.0
-    assert len(reference["losses"]) == 2 and len(result["losses"]) == 2  # rows 0-7, then the leftover rows
-    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
-    assert result["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5), name
+    assert result.world_size == 2 and result.wrapped == "DistributedDataParallel"
+    assert result.max_rank_param_diff == 0.0
+    assert len(reference.losses) == 2 and len(result.losses) == 2  # rows 0-7, then the leftover rows
+    assert result.losses == pytest.approx(reference.losses, rel=1e-5), name
+    assert result.train_loss == pytest.approx(reference.train_loss, rel=1e-5), name
     initial = {n: p.detach() for n, p in CASES[case].build(0).named_parameters()}
-    assert update_error(result["params"], reference["params"], initial) < 1e-4, name
+    assert update_error(result.params, reference.params, initial) < 1e-4, name
 
 
 @pytest.mark.slow
@@ -452,11 +452,11 @@ def test_epoch_remainder_controls(epoch_results):
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
     # Stock trains the padded duplicates (and doubles the loss under DDP): far from one device.
     stock = epoch_results["stock"]
-    assert stock["losses"][1] != pytest.approx(reference["losses"][1], rel=1e-2)
-    assert update_error(stock["params"], reference["params"], initial) > 0.1
+    assert stock.losses[1] != pytest.approx(reference.losses[1], rel=1e-2)
+    assert update_error(stock.params, reference.params, initial) > 0.1
     # dataloader_drop_last=True: one step on rows 0-7, as one device dropping the last 2 rows.
     dropped = epoch_results["drop_last"]
     one_step = one_device_epoch("bert_single_label", 10, dataloader_drop_last=True)
-    assert len(dropped["losses"]) == len(one_step["losses"]) == 1
-    assert dropped["losses"] == pytest.approx(one_step["losses"], rel=1e-5)
-    assert update_error(dropped["params"], one_step["params"], initial) < 1e-4
+    assert len(dropped.losses) == len(one_step.losses) == 1
+    assert dropped.losses == pytest.approx(one_step.losses, rel=1e-5)
+    assert update_error(dropped.params, one_step.params, initial) < 1e-4

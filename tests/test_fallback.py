@@ -113,14 +113,14 @@ def single() -> dict:
 def update_error(result: dict, reference: dict) -> float:
     """Largest parameter difference from the reference, relative to the largest change the reference made."""
     initial = dict(CASE.build(0).named_parameters())
-    params, expected = result["params"], reference["params"]
+    params, expected = result.params, reference.params
     update = max((expected[n] - initial[n]).abs().max().item() for n in initial)
     return max((params[n] - expected[n]).abs().max().item() for n in initial) / update
 
 
 def assert_exact(result: dict, what: str) -> None:
     reference = single()
-    assert result["loss"] == pytest.approx(reference["loss"], rel=TOL), f"{what}: logged loss"
+    assert result.loss == pytest.approx(reference.loss, rel=TOL), f"{what}: logged loss"
     assert update_error(result, reference) < TOL, f"{what}: the update"
 
 
@@ -219,7 +219,7 @@ def test_gradient_accumulation_of_a_subclass_calling_super(hf_parallel_log):
     topology = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
     stock = run_case(CASE, topology, stock=True, classes=(StockCallsSuper, STOCK_ARGS))
     ours = run_case(CASE, topology, classes=(OursCallsSuper, OURS_ARGS))
-    assert stock["loss"] / single()["loss"] == pytest.approx(2.0, rel=1e-5)
+    assert stock.loss / single().loss == pytest.approx(2.0, rel=1e-5)
     assert update_error(stock, single()) > 0.5
     assert_exact(ours, "subclass calling super(), GA 2")
     fallbacks = [m for m in hf_parallel_log.messages if m.startswith("exact_loss:")]
@@ -258,9 +258,9 @@ def ddp_results(tmp_path_factory) -> dict:
 
 
 def _assert_ddp(result: dict) -> None:
-    assert result["world_size"] == 2 and result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
-    assert result["wrapped"] == "DistributedDataParallel"
-    assert result["max_rank_param_diff"] == 0.0
+    assert result.world_size == 2 and result.parallel_mode == "ParallelMode.DISTRIBUTED"
+    assert result.wrapped == "DistributedDataParallel"
+    assert result.max_rank_param_diff == 0.0
 
 
 @pytest.mark.slow
@@ -269,12 +269,12 @@ def test_ddp_subclass_calling_super_loses_the_world_size_factor(ddp_results):
     for result in (stock, ours, off):
         _assert_ddp(result)
     # Stock multiplies BERT's own mean by the 2 processes: loss and gradient x2.
-    assert stock["loss"] / single()["loss"] == pytest.approx(2.0, rel=1e-5)
+    assert stock.loss / single().loss == pytest.approx(2.0, rel=1e-5)
     assert update_error(stock, single()) > 0.5
     assert_exact(ours, "subclass calling super() under DDP 2")
     # exact_loss=False is stock, as it is; and stock's evaluation multiplies each batch's mean by 2 too.
-    assert off["loss"] == stock["loss"]
-    assert off["eval_loss"] / ours["eval_loss"] == pytest.approx(2.0, rel=TOL)
+    assert off.loss == stock.loss
+    assert off.eval_loss / ours.eval_loss == pytest.approx(2.0, rel=TOL)
 
 
 @pytest.mark.slow
@@ -282,7 +282,7 @@ def test_ddp_subclass_with_its_own_mean_is_divided_by_the_accumulation_steps(ddp
     stock, ours = ddp_results["stock, own mean, GA 2"], ddp_results["ours, own mean, GA 2"]
     _assert_ddp(stock)
     _assert_ddp(ours)
-    assert stock["loss"] / single()["loss"] == pytest.approx(2.0, rel=1e-5)  # not divided by the 2 steps
+    assert stock.loss / single().loss == pytest.approx(2.0, rel=1e-5)  # not divided by the 2 steps
     assert_exact(ours, "own mean under DDP 2 x GA 2")
 
 
@@ -291,7 +291,7 @@ def test_ddp_subclass_that_reads_the_count_is_left_alone(ddp_results):
     stock, ours = ddp_results["stock, counted sum, GA 2"], ddp_results["ours, counted sum, GA 2"]
     _assert_ddp(ours)
     # Bit for bit what stock does: the loss divides by num_items_in_batch, so it owns its normalisation ...
-    assert ours["loss"] == stock["loss"]
-    assert all(torch.equal(ours["params"][n], stock["params"][n]) for n in stock["params"])
+    assert ours.loss == stock.loss
+    assert all(torch.equal(ours.params[n], stock.params[n]) for n in stock.params)
     # ... which here is right, as TRL's is.
     assert_exact(ours, "counted sum under DDP 2 x GA 2")

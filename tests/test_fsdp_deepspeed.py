@@ -256,7 +256,8 @@ def test_deepspeed_zero2_on_two_gpus_equals_one_process(gpu_reference, tmp_path)
 @pytest.mark.slow
 def test_fsdp_with_use_cpu_trains_with_ddp_exactly(tmp_path):
     results = launch("cpu_fsdp", tmp_path, **NO_GPUS)
-    references = {case: run_case(case, SINGLE, evaluate_first=False) for case, _ in RUNS.values()}
+    # One process's runs, as dicts like the launched ranks' reports (and the GPU reference's).
+    references = {case: vars(run_case(case, SINGLE, evaluate_first=False)) for case, _ in RUNS.values()}
     for name, (case, stock) in RUNS.items():
         result = results[name]
         # accelerate enables FSDP for GPUs only: the same arguments train with DDP over gloo.

@@ -59,7 +59,7 @@ def _reference(rows: int, seed: int) -> tuple[float, dict]:
 
 
 def _record(result):
-    return result["trainer"].accelerator.unwrap_model(result["trainer"].model).fused_calls_record
+    return result.trainer.accelerator.unwrap_model(result.trainer.model).fused_calls_record
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=[t.name for t in TOPOLOGIES])
@@ -70,16 +70,16 @@ def test_fused_loss_trains_exactly_without_logits(topology):
     record = _record(result)
     fused = [call.fused for call in record.calls]
     trained = fused.index(False) if False in fused else len(fused)  # evaluation (after training) builds logits
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
     # Training never built the logits: every training forward took the fused path (in every replica under DP).
     assert all(fused[:trained]) and not any(fused[trained:]) and trained == topology.accumulation * topology.dp_devices
-    assert result["trainer"].exact.head(result["trainer"].model).route is Route.MODEL_LOSS
+    assert result.trainer.exact.head(result.trainer.model).route is Route.MODEL_LOSS
     # Evaluation (after training, on the trained model) equals the plain model's Σ S / Σ C with the same weights.
     model = llama(0)
-    model.load_state_dict(result["params"], strict=False)
+    model.load_state_dict(result.params, strict=False)
     reference = model(**default_data_collator(lm_rows(EVAL_ROWS, seed=2))).loss.item()
-    assert result["eval_loss"] == pytest.approx(reference, rel=TOL)
+    assert result.eval_loss == pytest.approx(reference, rel=TOL)
     assert eval_loss != pytest.approx(reference, rel=1e-4)  # training moved the weights: the check can fail
 
 
@@ -87,9 +87,9 @@ def test_plain_lm_takes_its_own_loss_too_and_the_check_says_so():
     # A transformers LM's own loss honours num_items_in_batch: the check finds it from the logits.
     result = run_case(PLAIN, Topology("GA 2 x B", per_device=TRAIN_ROWS // 2, accumulation=2), eval_rows=0)
     loss, grads = _reference(TRAIN_ROWS, seed=1)
-    assert result["trainer"].exact.head(result["trainer"].model).name == "causal_lm/model_loss"
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.trainer.exact.head(result.trainer.model).name == "causal_lm/model_loss"
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
 
 
 def _liger_stand_in(model, kernel_config):
@@ -105,10 +105,10 @@ def test_use_liger_kernel_evaluates_with_skip_logits_exactly(monkeypatch):
     result = run_case(PLAIN, SINGLE, use_liger_kernel=True, prediction_loss_only=True, max_steps=1)
     record = _record(result)
     assert record.calls and record.logits_calls == 0
-    assert result["eval_loss"] == pytest.approx(eval_loss, rel=TOL)  # evaluated first, on the initial weights
+    assert result.eval_loss == pytest.approx(eval_loss, rel=TOL)  # evaluated first, on the initial weights
     loss, grads = _reference(TRAIN_ROWS, seed=1)
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
 
 
 def test_a_fused_loss_that_ignores_the_count_falls_back_with_a_warning(monkeypatch):
@@ -127,7 +127,7 @@ def test_a_fused_loss_that_ignores_the_count_falls_back_with_a_warning(monkeypat
     case = Case("llama_fused_mean", lambda seed: mean_only(llama(seed)), lm_rows)
     with record_hf_parallel_log() as log:
         result = run_case(case, Topology("GA 2 x B", per_device=TRAIN_ROWS // 2, accumulation=2), eval_rows=0)
-    assert result["trainer"].exact.head(result["trainer"].model) is None
+    assert result.trainer.exact.head(result.trainer.model) is None
     assert any("computes its own loss" in message or "stock" in message for message in log.messages)
 
 
@@ -149,20 +149,20 @@ def test_fused_loss_under_ddp_is_exact_with_padded_steps_and_eval_duplicates(tmp
     }
     results = run_ddp_runs(runs, tmp_path)
     for result in results.values():
-        assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
-        assert result["max_rank_param_diff"] == 0.0
+        assert result.world_size == 2 and result.wrapped == "DistributedDataParallel"
+        assert result.max_rank_param_diff == 0.0
     loss, grads = _reference(TRAIN_ROWS, seed=1)
     eval_loss, _ = _reference(EVAL_ROWS, seed=2)  # 7 rows on 2 ranks x 2: one duplicate in the last batch
     fused = results["fused"]
-    assert fused["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(fused["grads"], grads) < TOL
-    assert fused["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
-    assert results["fused one eval batch"]["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
-    assert results["plain one eval batch"]["eval_loss"] == pytest.approx(eval_loss, rel=TOL)
+    assert fused.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(fused.grads, grads) < TOL
+    assert fused.eval_loss == pytest.approx(eval_loss, rel=TOL)
+    assert results["fused one eval batch"].eval_loss == pytest.approx(eval_loss, rel=TOL)
+    assert results["plain one eval batch"].eval_loss == pytest.approx(eval_loss, rel=TOL)
     # The padded step: one process on the same 10 rows in the same order (batch 8, then the 2 real rows).
     single = run_case(PLAIN, SINGLE, **PADDED)
     padded = results["fused padded"]
-    assert padded["losses"] == pytest.approx(single["losses"], rel=TOL)
-    assert max_relative_diff(padded["params"], single["params"]) < TOL
+    assert padded.losses == pytest.approx(single.losses, rel=TOL)
+    assert max_relative_diff(padded.params, single.params) < TOL
     # Stock trains the repeats of the last step.
-    assert max_relative_diff(results["stock padded"]["params"], single["params"]) > 1e-3
+    assert max_relative_diff(results["stock padded"].params, single.params) > 1e-3

@@ -104,7 +104,7 @@ def _syncs_by_step(case: str, topology: Topology, roots=(PACKAGE,)) -> list[tupl
             callbacks=(watch,),
             classes=(Bound, hf_parallel.TrainingArguments),
         )
-    assert result["trainer"].state.global_step == 3
+    assert result.trainer.state.global_step == 3
     return watcher.calls
 
 

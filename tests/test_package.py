@@ -34,8 +34,8 @@ def test_drop_in_single_process_matches_stock():
     topology = Topology("one process x 4", per_device=4)
     stock = run_case("bert_single_label", topology, stock=True, **overrides)
     ours = run_case("bert_single_label", topology, **overrides)
-    assert len(stock["losses"]) == 3
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(stock["losses"]), rtol=1e-6, atol=0)
-    assert stock["params"].keys() == ours["params"].keys()
-    for name in stock["params"]:
-        torch.testing.assert_close(ours["params"][name], stock["params"][name], rtol=1e-6, atol=1e-7, msg=name)
+    assert len(stock.losses) == 3
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(stock.losses), rtol=1e-6, atol=0)
+    assert stock.params.keys() == ours.params.keys()
+    for name in stock.params:
+        torch.testing.assert_close(ours.params[name], stock.params[name], rtol=1e-6, atol=1e-7, msg=name)

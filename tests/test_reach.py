@@ -8,6 +8,7 @@ Each next to a stock control that shows the stock error. LoRA also has rows in t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -39,8 +40,8 @@ def test_lora_stock_control_is_off_where_hf_parallel_is_exact():
     reference = run_case("lora_bert_single_label", Topology("single 2B", per_device=TRAIN_ROWS))
     stock = run_case("lora_bert_single_label", GA2, stock=True)
     ours = run_case("lora_bert_single_label", GA2)
-    assert stock["loss"] / reference["loss"] == pytest.approx(2.0, rel=1e-3)
-    assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert stock.loss / reference.loss == pytest.approx(2.0, rel=1e-3)
+    assert ours.loss == pytest.approx(reference.loss, rel=1e-5)
 
 
 def _prompt_tuned_llama(seed: int):
@@ -57,7 +58,7 @@ def test_virtual_tokens_on_a_decoder_fall_back_with_one_warning(hf_parallel_log)
     prompt_case = type(case)("prompt_tuned_llama", _prompt_tuned_llama, lm_rows)
     ours = run_case(prompt_case, GA2, eval_rows=0)
     stock = run_case(prompt_case, GA2, stock=True, eval_rows=0)
-    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-6)
+    assert ours.loss == pytest.approx(stock.loss, rel=1e-6)
     fallbacks = [m for m in hf_parallel_log.messages if m.startswith("exact_loss:")]
     assert len(fallbacks) == 1, fallbacks
     assert "PROMPT_TUNING adapter on LlamaForCausalLM prepends virtual tokens" in fallbacks[0]
@@ -318,12 +319,12 @@ def _stream_report(output_dir: str) -> dict:
                 "bert_single_label", epoch_topology(4, 1), stock=stock, train_rows=9, eval_rows=0,
                 dataloader_drop_last=drop_last, **{**EPOCH, **ITERABLE, **OWN_READS},
             )  # fmt: skip
-            assert result["world_size"] == 2 and result["wrapped"] == "DistributedDataParallel"
-            flat = torch.cat([p.flatten() for p in result["params"].values()])
+            assert result.world_size == 2 and result.wrapped == "DistributedDataParallel"
+            flat = torch.cat([p.flatten() for p in result.params.values()])
             gathered = [torch.empty_like(flat) for _ in range(2)]
             dist.all_gather(gathered, flat)
             assert torch.equal(gathered[0], gathered[1])  # the ranks trained together
-            report[name] = {key: result[key] for key in ("losses", "train_loss", "params")}
+            report[name] = dataclasses.replace(result, trainer=None, emulation=None)  # what travels to the test
         report["warnings"] = log.messages
     return report
 
@@ -376,22 +377,21 @@ def test_iterable_evaluation_each_rank_reads_counts_each_sample_once(stream_repo
 def test_iterable_training_each_rank_reads_trains_the_real_leftover_rows_only(stream_report):
     reference = one_device_epoch("bert_single_label", 9, **ITERABLE)
     ours, stock = stream_report["train ours"], stream_report["train stock"]
-    assert len(reference["losses"]) == 2 and len(ours["losses"]) == 2  # rows 0-7, then row 8
-    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    assert ours["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
+    assert len(reference.losses) == 2 and len(ours.losses) == 2  # rows 0-7, then row 8
+    assert ours.losses == pytest.approx(reference.losses, rel=1e-5)
+    assert ours.train_loss == pytest.approx(reference.train_loss, rel=1e-5)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
-    assert update_error(ours["params"], reference["params"], initial) < 1e-4
+    assert update_error(ours.params, reference.params, initial) < 1e-4
     # Stock trains the 7 repeated rows of the last step.
-    assert update_error(stock["params"], reference["params"], initial) > 0.1
+    assert update_error(stock.params, reference.params, initial) > 0.1
     assert not any("cannot be told apart" in m for m in stream_report["warnings"]), stream_report["warnings"]
 
 
 @pytest.mark.slow
 def test_iterable_training_with_dataloader_drop_last_leaves_the_repeats_out_too(stream_report):
-    reference = one_device_epoch(
-        "bert_single_label", 9, **ITERABLE
-    )  # one process: its iterable dataloader keeps row 8
+    # One process: its iterable dataloader keeps row 8.
+    reference = one_device_epoch("bert_single_label", 9, **ITERABLE)
     ours = stream_report["train ours drop_last"]
-    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours.losses == pytest.approx(reference.losses, rel=1e-5)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}
-    assert update_error(ours["params"], reference["params"], initial) < 1e-4
+    assert update_error(ours.params, reference.params, initial) < 1e-4

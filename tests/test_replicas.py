@@ -63,21 +63,21 @@ def test_training_brings_loss_terms_not_logits_to_device_0(topology):
     reference = one_device(WIDE_LM, eval_rows=0)
     exact = run_case(WIDE_LM, topology, eval_rows=0)
     wrapper = "BalancedDataParallel" if topology.gpu0_bsz is not None else "ExactDataParallel"
-    assert exact["wrapped"] == wrapper
+    assert exact.wrapped == wrapper
     # hf_parallel: one loss sum and one item count per row, the balanced split included; stock: the whole batch's
     # logits (and the loss vector).
-    exact_bytes = sum(exact["emulation"].gathered_bytes)
-    stock_bytes = sum(run_case(WIDE_LM, _stock(topology), stock=True, eval_rows=0)["emulation"].gathered_bytes)
+    exact_bytes = sum(exact.emulation.gathered_bytes)
+    stock_bytes = sum(run_case(WIDE_LM, _stock(topology), stock=True, eval_rows=0).emulation.gathered_bytes)
     assert exact_bytes < 0.01 * logits_bytes, (exact_bytes, logits_bytes)
     assert stock_bytes >= logits_bytes, (stock_bytes, logits_bytes)
     # ... and the step is still the one of one device on the whole batch.
-    assert exact["loss"] == pytest.approx(reference["loss"], rel=1e-6)
-    assert max_relative_diff(exact["params"], reference["params"]) < 1e-6
+    assert exact.loss == pytest.approx(reference.loss, rel=1e-6)
+    assert max_relative_diff(exact.params, reference.params) < 1e-6
 
 
 def test_evaluation_gathers_logits_only_when_they_are_kept():
     result = run_case(WIDE_LM, DP2, eval_rows=4, evaluate_first=False)
-    trainer = result["trainer"]
+    trainer = result.trainer
     eval_logits_bytes = 4 * SEQ * WIDE_VOCAB * 4
     with simulate_data_parallel(2) as emulation:
         loss_only = trainer.evaluate(trainer.eval_dataset)["eval_loss"]
@@ -90,7 +90,7 @@ def test_evaluation_gathers_logits_only_when_they_are_kept():
     assert kept_bytes >= eval_logits_bytes, (kept_bytes, eval_logits_bytes)
     assert prediction.predictions.shape == (4, SEQ, WIDE_VOCAB)
     assert prediction.metrics["test_loss"] == pytest.approx(loss_only, rel=1e-6)
-    reference = run_case(WIDE_LM, SINGLE, eval_rows=4, evaluate_first=False)["trainer"].predict(trainer.eval_dataset)
+    reference = run_case(WIDE_LM, SINGLE, eval_rows=4, evaluate_first=False).trainer.predict(trainer.eval_dataset)
     assert prediction.metrics["test_loss"] == pytest.approx(reference.metrics["test_loss"], rel=1e-6)
     torch.testing.assert_close(
         torch.as_tensor(prediction.predictions), torch.as_tensor(reference.predictions), rtol=1e-5, atol=1e-5
@@ -148,8 +148,8 @@ def test_bf16_replicas_train_as_one_device_in_bf16():
     for topology in REPLICA_TOPOLOGIES:
         result = bf16_run(topology)
         # The same bf16 forward on other row groupings: equal up to bf16 rounding (8 bits of mantissa).
-        assert result["loss"] == pytest.approx(reference["loss"], rel=2e-2), topology.name
-        assert max_relative_diff(result["grads"], reference["grads"]) < 5e-2, topology.name
+        assert result.loss == pytest.approx(reference.loss, rel=2e-2), topology.name
+        assert max_relative_diff(result.grads, reference.grads) < 5e-2, topology.name
 
 
 def test_stock_label_smoothing_in_bf16_replicas_shifts_the_targets_as_one_device():
@@ -160,13 +160,13 @@ def test_stock_label_smoothing_in_bf16_replicas_shifts_the_targets_as_one_device
     reference = run_case(case, SINGLE, eval_rows=0, bf16=True, exact_loss=False)
     fp32 = run_case(case, DP2, eval_rows=0, exact_loss=False)  # no autocast to set up: the model's own class
     result = run_case(case, DP2, eval_rows=0, bf16=True, exact_loss=False)
-    assert result["wrapped"] == fp32["wrapped"] == "DataParallel"
+    assert result.wrapped == fp32.wrapped == "DataParallel"
     # Stock multiplies a loss given num_items_in_batch by n_gpu under DataParallel (the x2 of the label-smoothing row
     # of the stock table): the targets are those of one device when the bf16 loss is that factor times its loss.
-    assert result["loss"] == pytest.approx(2 * reference["loss"], rel=1e-2)
-    assert result["loss"] == pytest.approx(fp32["loss"], rel=1e-2)
-    grads = {name: grad / 2 for name, grad in result["grads"].items()}
-    assert max_relative_diff(grads, reference["grads"]) < 5e-2
+    assert result.loss == pytest.approx(2 * reference.loss, rel=1e-2)
+    assert result.loss == pytest.approx(fp32.loss, rel=1e-2)
+    grads = {name: grad / 2 for name, grad in result.grads.items()}
+    assert max_relative_diff(grads, reference.grads) < 5e-2
 
 
 def test_a_replica_thread_gets_the_requested_dtype_not_the_thread_default():
@@ -319,11 +319,11 @@ def test_tied_weights_with_gpu0_bsz_0_equal_one_device(model, n_devices):
         f"DP {n_devices} gpu0_bsz=0", per_device=-(-TRAIN_ROWS // n_devices), dp_devices=n_devices, gpu0_bsz=0
     )
     result = run_case(case, topology, eval_rows=0)
-    assert result["emulation"].chunk_sizes[0][0] != 0 and 0 not in result["emulation"].replica_devices
+    assert result.emulation.chunk_sizes[0][0] != 0 and 0 not in result.emulation.replica_devices
     reference = one_device(case, eval_rows=0)
-    assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-    assert max_relative_diff(result["grads"], reference["grads"]) < 1e-5
-    assert max_relative_diff(result["params"], reference["params"]) < 1e-5
+    assert result.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert max_relative_diff(result.grads, reference.grads) < 1e-5
+    assert max_relative_diff(result.params, reference.params) < 1e-5
 
 
 def _with_unused_layer(seed: int):
@@ -343,13 +343,13 @@ def test_a_parameter_no_row_uses_gets_no_gradient(topology):
     result = run_case(UNUSED, topology, eval_rows=0, **ADAMW)
     # One device: no gradient, so AdamW leaves the layer alone (no decay); the same under DataParallel.
     for name in ("unused.weight", "unused.bias"):
-        assert name not in reference["grads"] and name not in result["grads"], name
-        assert torch.equal(result["params"][name], initial[name]), name
-    assert max_relative_diff(result["params"], reference["params"]) < 1e-5
+        assert name not in reference.grads and name not in result.grads, name
+        assert torch.equal(result.params[name], initial[name]), name
+    assert max_relative_diff(result.params, reference.params) < 1e-5
     # Control: torch's own DataParallel (stock) hands it zeros, and AdamW's decay moves it.
     stock = run_case(UNUSED, _stock(topology), stock=True, eval_rows=0, **ADAMW)
-    assert torch.equal(stock["grads"]["unused.weight"], torch.zeros(4, 4))
-    assert not torch.equal(stock["params"]["unused.weight"], initial["unused.weight"])
+    assert torch.equal(stock.grads["unused.weight"], torch.zeros(4, 4))
+    assert not torch.equal(stock.params["unused.weight"], initial["unused.weight"])
 
 
 def _reads_its_device(seed: int):
@@ -372,9 +372,9 @@ READS_DEVICE = Case("bert_reads_its_device", _reads_its_device, CASES["bert_sing
 def test_a_model_that_reads_self_device_trains_in_replicas(topology):
     reference = one_device(READS_DEVICE)
     result = run_case(READS_DEVICE, topology)
-    assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
-    assert max_relative_diff(result["params"], reference["params"]) < 1e-5
+    assert result.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert result.eval_loss == pytest.approx(reference.eval_loss, rel=1e-5)
+    assert max_relative_diff(result.params, reference.params) < 1e-5
     # Control: torch's replicas have no parameters; transformers' `self.device` raises there (stock fails).
     with pytest.raises(StopIteration, match="in replica 0"):
         run_case(READS_DEVICE, _stock(topology), stock=True, eval_rows=0)

@@ -122,8 +122,8 @@ def test_unshifted_decoder_is_exact(case, topology, evaluate_first, hf_parallel_
     # Checked in training, the first micro-batch switches the head the step was counted with: it is recounted.
     loss, grads = reference(case)
     result = run_case(case, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
     assert "exact_loss" not in hf_parallel_log.text  # a switch of head is no fallback: no warning
 
 
@@ -131,7 +131,7 @@ def test_stock_trains_the_unshifted_decoder_on_another_loss():
     # The control: stock's count (and, with smoothing, its loss) is shifted for a class in the causal LM mapping.
     loss, _ = reference(BART_DECODER_SMOOTHING)
     result = run_case(BART_DECODER_SMOOTHING, TOPOLOGIES[1], stock=True, eval_rows=0)
-    assert result["loss"] != pytest.approx(loss, rel=1e-3)
+    assert result.loss != pytest.approx(loss, rel=1e-3)
 
 
 DDP_TOPOLOGY = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
@@ -157,12 +157,12 @@ def assert_ddp_exact(case: Case, expected: tuple[float, dict], ddp_results: dict
     for checked in ("checked in training", "checked in evaluation"):
         name = f"{case.name}, {checked}"
         result = ddp_results[name]
-        assert result["world_size"] == 2, name
-        assert result["parallel_mode"] == "ParallelMode.DISTRIBUTED", name
-        assert result["wrapped"] == "DistributedDataParallel", name
-        assert result["loss"] == pytest.approx(loss, rel=TOL), name
-        assert max_relative_diff(result["grads"], grads) < TOL, name
-        assert result["max_rank_param_diff"] == 0.0, name
+        assert result.world_size == 2, name
+        assert result.parallel_mode == "ParallelMode.DISTRIBUTED", name
+        assert result.wrapped == "DistributedDataParallel", name
+        assert result.loss == pytest.approx(loss, rel=TOL), name
+        assert max_relative_diff(result.grads, grads) < TOL, name
+        assert result.max_rank_param_diff == 0.0, name
 
 
 @pytest.mark.slow
@@ -208,7 +208,7 @@ def test_an_encoder_decoder_without_prepare_decoder_input_ids_keeps_its_labels_i
     model = _blenderbot()
     model.train()
     loss = model(**default_data_collator(seq2seq_rows(TRAIN_ROWS, 1))).loss
-    assert result["loss"] == pytest.approx(loss.item(), rel=TOL)
+    assert result.loss == pytest.approx(loss.item(), rel=TOL)
 
 
 def _fsmt(seed: int) -> FSMTForConditionalGeneration:
@@ -300,7 +300,7 @@ def fsmt_reference(case: Case) -> tuple[float, dict]:
 
 
 def _trained_head(result: dict):
-    trainer = result["trainer"]
+    trainer = result.trainer
     return trainer.exact.head(trainer.model)
 
 
@@ -310,8 +310,8 @@ def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, 
     # Checked in training, the check is the first micro-batch (with the labels): the later ones switch.
     loss, grads = fsmt_reference(FSMT)
     result = run_case(FSMT, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
     head = _trained_head(result)
     assert isinstance(head, LabelsInForwardHead) and not head.builds_decoder_inputs
     assert head.name == "seq2seq_lm/labels_in_forward"
@@ -326,8 +326,8 @@ def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(ddp_results):
 def test_fsmt_keeps_the_label_smoothing_of_its_head():
     loss, grads = fsmt_reference(FSMT_SMOOTHING)
     result = run_case(FSMT_SMOOTHING, TOPOLOGIES[1], evaluate_first=False, eval_rows=0)
-    assert result["loss"] == pytest.approx(loss, rel=TOL)
-    assert max_relative_diff(result["grads"], grads) < TOL
+    assert result.loss == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
     head = _trained_head(result)
     assert isinstance(head, LabelsInForwardHead) and head.smoothing == 0.1 and head.per_position
 
