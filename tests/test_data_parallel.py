@@ -14,7 +14,7 @@ from hf_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_
 from hf_parallel.data_parallel import balanced_wrapper
 from hf_parallel.testing import simulate_data_parallel
 from tests.harness import training_args
-from tests.tiny import tiny_bert_classifier
+from tests.tiny import tiny, tiny_bert_classifier
 
 # ---- BalancedDataParallel on CPU, inside the emulation (only the device copies are CPU stand-ins) ----
 
@@ -262,7 +262,7 @@ def test_attributes_fall_through_to_the_wrapped_model(tmp_path):
 
 def test_generate_works_on_the_wrapper():
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    config = tiny(GPT2Config, vocab_size=40, n_positions=16, n_embd=8, use_cache=True)
     model = GPT2LMHeadModel(config).eval()
     ids = torch.tensor([[1, 2, 3]])
     expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)

@@ -16,6 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from hf_parallel.testing import simulate_data_parallel
 from tests.fused import FusedCall, fuse_loss, fused_forward
+from tests.tiny import tiny
 
 VOCAB, ROWS, SEQ, HIDDEN = 1000, 3, 24, 32
 CHUNK = 33  # rows per chunk: does not divide ROWS * SEQ (the last chunk is short), more than HIDDEN
@@ -24,14 +25,9 @@ TOLERANCE = 1e-6
 
 def _tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    sizes = dict(intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = tiny(
+        LlamaConfig, vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=64, use_cache=True, **sizes
     )
     return LlamaForCausalLM(config)
 
@@ -127,16 +123,18 @@ OTHERS = {
     # GPT-2: the base model is `transformer` (found by get_decoder()), the LM head tied to the embedding; no dropout,
     # so that the two forwards are the same computation.
     "gpt2_tied": lambda: GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        tiny(GPT2Config, vocab_size=VOCAB, n_embd=HIDDEN, n_positions=1024, use_cache=True)
     ),
     "qwen2": lambda: Qwen2ForCausalLM(
-        Qwen2Config(
+        tiny(
+            Qwen2Config,
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
             intermediate_size=64,
-            num_hidden_layers=1,
             num_attention_heads=4,
             num_key_value_heads=2,
+            max_position_embeddings=32768,
+            use_cache=True,
         )
     ),
 }

@@ -34,7 +34,7 @@ from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 from tests.heads import llama
 from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import run_together
-from tests.tiny import TinyRegressor, classification_rows, tiny_bert_classifier
+from tests.tiny import TinyRegressor, classification_rows, tiny, tiny_bert_classifier
 
 KINDS = ("cls", "lm")  # a tiny BERT sequence classifier; a tiny Llama causal LM with uneven valid tokens
 MODEL_CLASS = {"cls": "BertForSequenceClassification", "lm": "LlamaForCausalLM"}
@@ -428,17 +428,14 @@ def _regression_rows() -> list[dict]:
 
 def _router_model() -> MixtralForCausalLM:
     torch.manual_seed(0)
-    config = MixtralConfig(
+    # A router auxiliary loss the logits do not carry (output_router_logits).
+    config = tiny(
+        MixtralConfig,
         vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         num_local_experts=2,
         num_experts_per_tok=1,
-        output_router_logits=True,  # a router auxiliary loss the logits do not carry
-        max_position_embeddings=32,
+        output_router_logits=True,
+        use_cache=True,
     )
     return MixtralForCausalLM(config)
 

@@ -21,7 +21,7 @@ from hf_parallel.exact.replicas import ReplicaStep, replica_autocast, takes_use_
 from hf_parallel.testing import simulate_data_parallel
 from tests.harness import SINGLE, TRAIN_ROWS, Topology, max_relative_diff, run_case
 from tests.heads import CASES, SEQ, Case, llama, lm_rows, seq2seq_rows
-from tests.tiny import VOCAB
+from tests.tiny import tiny
 
 WIDE_VOCAB = 1000  # logits of 8 rows x 8 positions: 256,000 bytes in fp32
 DP2 = Topology("DP 2 devices", per_device=TRAIN_ROWS // 2, dp_devices=2)
@@ -285,18 +285,7 @@ def test_replica_gradients_equal_one_device(gpu0_bsz):
 
 def _t5(seed: int):
     torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
+    config = tiny(T5Config, decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True, use_cache=True)
     return T5ForConditionalGeneration(config)
 
 

@@ -30,7 +30,7 @@ from hf_parallel.exact.decoder import LabelsInForwardHead, decoder_input_ids, wa
 from hf_parallel.exact.resolve import resolve_head
 from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
 from tests.heads import CASES, Case, lm_rows, seq2seq_rows
-from tests.tiny import VOCAB
+from tests.tiny import VOCAB, tiny
 
 TOL = 1e-5
 
@@ -73,22 +73,7 @@ def test_the_whole_zoo_has_no_silent_difference_and_no_crash():
 
 def bart_decoder(seed: int) -> BartForCausalLM:
     torch.manual_seed(seed)
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        decoder_layers=1,
-        encoder_layers=1,
-        decoder_attention_heads=2,
-        encoder_attention_heads=2,
-        decoder_ffn_dim=32,
-        encoder_ffn_dim=32,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        use_cache=False,
-    )
-    return BartForCausalLM(config)
+    return BartForCausalLM(tiny(BartConfig))
 
 
 BART_DECODER = Case("bart_causal_lm_unshifted", bart_decoder, lm_rows)
@@ -181,21 +166,7 @@ def test_candidates_toggle_the_shift_of_a_per_position_head_only():
 
 def _blenderbot(**config) -> BlenderbotForConditionalGeneration:
     torch.manual_seed(0)
-    settings = dict(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
-    return BlenderbotForConditionalGeneration(BlenderbotConfig(**{**settings, **config})).eval()
+    return BlenderbotForConditionalGeneration(tiny(BlenderbotConfig, **{"use_cache": True, **config})).eval()
 
 
 def test_an_encoder_decoder_without_prepare_decoder_input_ids_keeps_its_labels_in_the_forward():
@@ -213,23 +184,7 @@ def test_an_encoder_decoder_without_prepare_decoder_input_ids_keeps_its_labels_i
 
 def _fsmt(seed: int) -> FSMTForConditionalGeneration:
     torch.manual_seed(seed)
-    config = FSMTConfig(
-        src_vocab_size=VOCAB,
-        tgt_vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        use_cache=False,
-    )
-    return FSMTForConditionalGeneration(config)
+    return FSMTForConditionalGeneration(tiny(FSMTConfig, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
 
 
 FSMT = Case("fsmt", _fsmt, seq2seq_rows)
