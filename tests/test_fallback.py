@@ -7,6 +7,7 @@ reads it (TRL-like) as it is. Each case next to a stock control; the DDP cases r
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from hf_parallel.exact.fallback import (
     stock_training_step,
 )
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case, runs_worker
+from tests.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, run_case, runs_worker
 from tests.heads import Case
 from tests.tiny import classification_rows, tiny_bert_classifier
 
@@ -100,17 +101,14 @@ class StockCountedSum(_CountedSum, transformers.Trainer):
 
 OURS_ARGS, STOCK_ARGS = TrainingArguments, transformers.TrainingArguments
 
-_reference: dict = {}
 
-
-def single() -> dict:
+@functools.cache
+def single() -> RunResult:
     """One process on the whole batch, with the exact loss of the plain Trainer: the value every exact run equals."""
-    if not _reference:
-        _reference.update(run_case(CASE, SINGLE))
-    return _reference
+    return run_case(CASE, SINGLE)
 
 
-def update_error(result: dict, reference: dict) -> float:
+def update_error(result: RunResult, reference: RunResult) -> float:
     """Largest parameter difference from the reference, relative to the largest change the reference made."""
     initial = dict(CASE.build(0).named_parameters())
     params, expected = result.params, reference.params
@@ -118,7 +116,7 @@ def update_error(result: dict, reference: dict) -> float:
     return max((params[n] - expected[n]).abs().max().item() for n in initial) / update
 
 
-def assert_exact(result: dict, what: str) -> None:
+def assert_exact(result: RunResult, what: str) -> None:
     reference = single()
     assert result.loss == pytest.approx(reference.loss, rel=TOL), f"{what}: logged loss"
     assert update_error(result, reference) < TOL, f"{what}: the update"
@@ -257,7 +255,7 @@ def ddp_results(tmp_path_factory) -> dict:
     return torch.load(out_dir / "results.pt", weights_only=False)
 
 
-def _assert_ddp(result: dict) -> None:
+def _assert_ddp(result: RunResult) -> None:
     assert result.world_size == 2 and result.parallel_mode == "ParallelMode.DISTRIBUTED"
     assert result.wrapped == "DistributedDataParallel"
     assert result.max_rank_param_diff == 0.0
