@@ -5,7 +5,7 @@ so that one device sees the same rows, then the leftover rows, as the DDP ranks 
 
 from __future__ import annotations
 
-from tests.harness import Topology, run_case
+from tests.harness import RunResult, Topology, run_case
 
 # Sequential sampling, so that one device sees rows 0-7, then the leftover rows, as the ranks together do.
 EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}
@@ -24,6 +24,6 @@ def update_error(result: dict, reference: dict, initial: dict) -> float:
     return max((result[n] - reference[n]).abs().max().item() for n in initial) / update
 
 
-def one_device_epoch(case: str, rows: int, **overrides) -> dict:
+def one_device_epoch(case: str, rows: int, **overrides) -> RunResult:
     """One process, 8 rows a step, over the same rows as the ranks: the reference of an epoch remainder."""
     return run_case(case, Topology("one device x 8", per_device=8), train_rows=rows, **{**EPOCH, **overrides})

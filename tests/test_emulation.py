@@ -14,7 +14,7 @@ import transformers
 from torch.nn.parallel import _functions, comm
 
 from hf_parallel.testing import simulate_data_parallel, simulated_training_args
-from tests.harness import Topology, run_case
+from tests.harness import RunResult, Topology, run_case
 from tests.heads import CLASSIFIER
 
 VOCAB, WIDTH = 11, 6
@@ -233,7 +233,7 @@ def test_simulated_training_args(tmp_path):
 # ---- Stock transformers.Trainer through the emulation ----
 
 
-def _stock_run(n_devices: int, rows: int, **overrides) -> dict:
+def _stock_run(n_devices: int, rows: int, **overrides) -> RunResult:
     # One step over all the rows: a short last batch when rows is not a multiple of n_devices.
     topology = Topology(f"stock DP {n_devices}", per_device=-(-rows // n_devices), dp_devices=n_devices)
     return run_case(CLASSIFIER, topology, stock=True, train_rows=rows, eval_rows=0, **overrides)

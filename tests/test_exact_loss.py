@@ -20,6 +20,7 @@ from tests.harness import (
     SINGLE,
     TRAIN_ROWS,
     Capture,
+    RunResult,
     Topology,
     max_relative_diff,
     run_case,
@@ -69,10 +70,10 @@ MATRIX = [
     for case in CASE_NAMES
 ]
 
-_single_cache: dict[str, dict] = {}
+_single_cache: dict[str, RunResult] = {}
 
 
-def single(case: str) -> dict:
+def single(case: str) -> RunResult:
     if case not in _single_cache:
         _single_cache[case] = run_case(case, SINGLE)
     return _single_cache[case]

@@ -19,7 +19,7 @@ from hf_parallel import BalancedDataParallel
 from hf_parallel.chunking import torch_chunk_sizes
 from hf_parallel.exact.replicas import ReplicaStep, replica_autocast, takes_use_cache, without_cache
 from hf_parallel.testing import simulate_data_parallel
-from tests.harness import SINGLE, TRAIN_ROWS, Topology, max_relative_diff, run_case
+from tests.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, max_relative_diff, run_case
 from tests.heads import CASES, SEQ, Case, llama, lm_rows, seq2seq_rows
 from tests.tiny import tiny
 
@@ -41,10 +41,10 @@ REPLICA_TOPOLOGIES = (DP2, DP3_EMPTY_GPU0, DP3_BALANCED)
 TOPOLOGY_IDS = [t.name for t in REPLICA_TOPOLOGIES]
 
 
-_one_device: dict[tuple, dict] = {}
+_one_device: dict[tuple, RunResult] = {}
 
 
-def one_device(case: Case, **overrides) -> dict:
+def one_device(case: Case, **overrides) -> RunResult:
     """The one-device run of `case` (cached: several tests compare with the same one)."""
     key = (case.name, tuple(sorted(overrides.items())))
     if key not in _one_device:
