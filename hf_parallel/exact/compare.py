@@ -54,7 +54,8 @@ __all__ = [
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 _HALF_TOLERANCE = 1e-2
 
-Terms = tuple[torch.Tensor, torch.Tensor]
+# A head's `[samples, terms]` loss sums and item counts (not `hf_parallel.exact.forward.Terms`, a forward's whole).
+SampleTerms = tuple[torch.Tensor, torch.Tensor]
 
 
 #: The item count a checked forward passes is C * PROBE_SCALE + PROBE_OFFSET for C items (see the module docstring):
@@ -206,8 +207,8 @@ def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
 def replica_check(
     candidates: tuple[LossHead, ...],
     outputs,
-    sample_terms: Callable[[LossHead], Terms],
-    known: dict[LossHead, Terms] | None = None,
+    sample_terms: Callable[[LossHead], SampleTerms],
+    known: dict[LossHead, SampleTerms] | None = None,
     count: torch.Tensor | None = None,
     gradient_from_loss: bool = False,
     decoder: torch.Tensor | None = None,
@@ -230,7 +231,7 @@ def replica_check(
     # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
     has_logits = count is None or not fused_outputs(outputs)
 
-    def terms_of(head: LossHead) -> Terms:
+    def terms_of(head: LossHead) -> SampleTerms:
         if head not in computed:
             computed[head] = sample_terms(head)
         return computed[head]
@@ -276,7 +277,7 @@ def _graph_zero(outputs) -> torch.Tensor:
     return logits.sum().float() * 0.0
 
 
-def _graph_sums(terms: list[Terms], loss, divisors: list[float | None], zero: torch.Tensor) -> torch.Tensor:
+def _graph_sums(terms: list[SampleTerms], loss, divisors: list[float | None], zero: torch.Tensor) -> torch.Tensor:
     """
     `[1, K]`: the loss sum of each candidate to back-propagate, from the model's loss L: L times its divisor where L
     fits (its items, or the count N it honours), `zero` without items (no row of this replica counts: no gradient, as
