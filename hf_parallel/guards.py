@@ -25,6 +25,7 @@ from .launch_env import WORLD_SIZE_VARIABLES, launcher_world_size, world_size_va
 
 __all__ = [
     "WORLD_SIZE_VARIABLES",
+    "batch_statistics_split",
     "check_data_parallel",
     "check_launch",
     "check_visible_devices",
@@ -216,3 +217,30 @@ def check_not_empty(dataset, name: str) -> None:
             f"{'train on' if name.startswith('train') else 'evaluate'}. Check the file, split or filter that built "
             "it (e.g. a `.filter(...)` or `max_*_samples` that removed every row)."
         )
+
+
+def batch_statistics_split(model: torch.nn.Module, args) -> str | None:
+    """
+    Why `model`'s forward depends on how the step's rows are split, or None: batch normalisation layers (the Trainer
+    puts them in training mode) compute their statistics over the rows of each forward, so gradient accumulation,
+    DataParallel replicas and DDP ranks (without `SyncBatchNorm`) each normalise their own share; no split of the step
+    then equals one forward on all its rows. That is the model, not the loss: it trains as stock does.
+    """
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not layers:
+        return None
+    synced = all(isinstance(m, torch.nn.SyncBatchNorm) for m in layers)
+    splits = []
+    if args.gradient_accumulation_steps > 1:
+        splits.append(f"each of the {args.gradient_accumulation_steps} accumulated micro-batches")
+    if args.n_gpu > 1:
+        splits.append(f"each of the {args.n_gpu} DataParallel replicas")
+    if args.world_size > 1 and not synced:
+        splits.append(f"each of the {args.world_size} ranks (convert them with nn.SyncBatchNorm under DDP)")
+    if not splits:
+        return None
+    return (
+        f"{type(model).__name__} has {len(layers)} batch normalisation layers: in training their statistics are "
+        f"computed over {', and over '.join(splits)}, so the step is not one forward over all its rows, whatever the "
+        "loss (the model trains as stock does)."
+    )

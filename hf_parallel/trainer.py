@@ -34,7 +34,7 @@ from .exact import (
     stock_compute_loss,
     stock_training_step,
 )
-from .guards import check_launch, check_not_empty
+from .guards import batch_statistics_split, check_launch, check_not_empty
 from .teardown import track_trainer
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
@@ -276,6 +276,10 @@ class TrainerMixin:
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, Gpu0BszAdvisorCallback) and callback.exact is None:
                 callback.exact = self.exact  # it measures once the check of the loss head has settled
+        if isinstance(self.model, nn.Module):
+            split = batch_statistics_split(self.model, self.args)
+            if split is not None:
+                self.exact.warn_once(f"exact_loss: {split}")
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _undo_evaluation_only_prepare(self) -> None:

@@ -161,6 +161,11 @@ class ModelLossCheck:
         self.reduce_sum = reduce_sum
         self._checks: dict[tuple, int] = {}  # per model key: the forwards that checked it; -1 once decided
         self._decoder_watch: DecoderInputsWatch | None = None
+        self._mismatches: list[str] = []  # why a candidate could not be computed, in the checked forward under way
+
+    def note_mismatch(self, reason: str) -> None:
+        """In a checked forward (any replica's thread): a candidate's loss could not be computed, and why."""
+        self._mismatches.append(reason)
 
     def pending(self, head: LossHead | None, key: tuple, inputs: dict) -> tuple[LossHead, ...] | None:
         """
@@ -206,10 +211,11 @@ class ModelLossCheck:
         """Decide from `check`, gathered from every replica of this process, for the model `name` of `key`."""
         votes = Votes.of(check)
         verdict = decide(votes.summed(self.reduce_sum) if self.reduce_sum is not None else votes)
+        mismatches, self._mismatches = self._mismatches, []
         checks = self._checks.get(key, 0) + 1
         self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
         if verdict.index is None:
-            return Settlement(None, None, changed=True, fallback=_mismatch(name, candidates, verdict))
+            return Settlement(None, None, changed=True, fallback=_mismatch(name, candidates, verdict, mismatches))
         warning = None
         if not verdict.final and checks >= MAX_CHECKS:
             warning = _undecided(name, candidates, verdict, checks)
@@ -228,8 +234,14 @@ def _names(candidates: tuple[LossHead, ...]) -> str:
     return ", ".join(candidate.name for candidate in candidates)
 
 
-def _mismatch(name: str, candidates: tuple[LossHead, ...], verdict: Verdict) -> str:
-    """The warning of a model whose own loss no candidate head gives: the model, both losses, what to do."""
+def _mismatch(name: str, candidates: tuple[LossHead, ...], verdict: Verdict, mismatches: list[str]) -> str:
+    """The warning of a model whose own loss no candidate head gives: the model, both losses (or why a head could not
+    be computed from its outputs), what to do."""
+    if mismatches:
+        return (
+            f"{name}'s outputs do not fit the loss {_names(candidates)}: {mismatches[0]} Its own loss is the one "
+            "trained on."
+        )
     return (
         f"{name} computes its own loss {verdict.model_loss:.6g} on a batch where the loss recomputed from its "
         f"logits as {candidates[0].name} gives {verdict.head_loss:.6g} (also tried: {_names(candidates[1:]) or 'none'}"

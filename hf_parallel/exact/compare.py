@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .heads import CrossEntropyHead, LossHead, Route
+from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
 
 __all__ = [
     "PROBE_OFFSET",
@@ -212,6 +212,7 @@ def replica_check(
     count: torch.Tensor | None = None,
     gradient_from_loss: bool = False,
     decoder: torch.Tensor | None = None,
+    on_mismatch: Callable[[str], None] | None = None,
 ) -> ReplicaCheck:
     """
     What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`.
@@ -225,21 +226,32 @@ def replica_check(
         gradient_from_loss (`bool`, *optional*): whether S_k is the model's own loss times what it divided by (the
             candidates' terms were computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
         decoder (`torch.Tensor`, *optional*): `[1, 1]`, whether the model built the decoder inputs the labels give.
+        on_mismatch (`Callable`, *optional*): told why a candidate could not be computed from these outputs
+            (`HeadMismatch`: it then does not fit).
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
+    mismatched: set[LossHead] = set()
     # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
     has_logits = count is None or not fused_outputs(outputs)
+    device = _device_of(outputs)
 
     def terms_of(head: LossHead) -> SampleTerms:
         if head not in computed:
-            computed[head] = sample_terms(head)
+            try:
+                computed[head] = sample_terms(head)
+            except HeadMismatch as mismatch:
+                # Its loss cannot be computed from these outputs: it does not fit (zeros only stand in for its terms).
+                mismatched.add(head)
+                if on_mismatch is not None:
+                    on_mismatch(str(mismatch))
+                empty = torch.zeros(1, head.num_terms, device=device)
+                computed[head] = (empty, empty.long())
         return computed[head]
 
     first = terms_of(candidates[0])
     # Without logits no other candidate can be computed (nor chosen: it cannot fit); as many terms all the same.
     terms = [first, *(terms_of(c) if has_logits else first for c in candidates[1:])]
-    device = first[0].device
     loss = model_loss(outputs)
     fits = torch.full((1, len(candidates)), float("nan"), device=device)
     losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
@@ -251,7 +263,7 @@ def replica_check(
         if not has_logits:
             honours[0, 0] = _honours_by_gradient(loss, count)
         else:
-            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors)
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched)
         mean = loss
         if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
             mean = loss * (n / max(int(first[1].sum()), 1))
@@ -269,6 +281,12 @@ def replica_check(
         counts=tuple(t[1] for t in terms),
         graph_sums=graph_sums,
     )
+
+
+def _device_of(outputs) -> torch.device:
+    """The device of a forward's outputs: that of its first tensor."""
+    values = outputs.values() if isinstance(outputs, dict) else outputs
+    return next((value.device for value in values if torch.is_tensor(value)), torch.device("cpu"))
 
 
 def _graph_zero(outputs) -> torch.Tensor:
@@ -294,16 +312,21 @@ def _graph_sums(terms: list[SampleTerms], loss, divisors: list[float | None], ze
     return torch.stack(values).reshape(1, -1)
 
 
-def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors) -> float:
+def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors, mismatched) -> float:
     """
-    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given), what the
-    loss divided each fitting candidate's sum by in `divisors`, and the first candidate's mean in `losses`; return
-    whether the loss divided by the count (1 or 0; NaN where nothing fitted or no count was given).
+    Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given; 0 for one
+    `mismatched` with the outputs), what the loss divided each fitting candidate's sum by in `divisors`, and the first
+    candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing fitted or no
+    count was given).
     """
     reference = loss.detach().double()
     divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
     for k, candidate in enumerate(candidates):
-        sums, counts = terms_of(compared_head(candidate))
+        compared = compared_head(candidate)
+        sums, counts = terms_of(compared)
+        if compared in mismatched or candidate in mismatched:
+            fits[0, k] = 0.0
+            continue
         sums, counts = sums.detach().sum(0).double(), counts.sum(0)
         value = candidate.combine(sums, counts)
         if k == 0:

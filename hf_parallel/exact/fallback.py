@@ -24,9 +24,10 @@ reads it (TRL's loss types) owns its normalisation. A read by anything, even onl
 scaling in place: a loss is never rescaled on a guess.
 
 Left as stock, because reads cannot be watched or the factor is not the world size: `exact_loss=False` (which asks for
-stock), a count that is not a tensor, `torch_compile` (a compiled graph need not call back into the watcher),
-DataParallel (the count is scattered into per-replica copies), tensor, context and sequence parallelism, and a subclass
-that sets `loss_is_scaled_for_ga` itself (only the division by G is then left alone).
+stock), a loss that is a plain sum nothing divides (CTC's `"sum"` reduction: stock's scalings are right for it), a
+count that is not a tensor, `torch_compile` (a compiled graph need not call back into the watcher), DataParallel (the
+count is scattered into per-replica copies), tensor, context and sequence parallelism, and a subclass that sets
+`loss_is_scaled_for_ga` itself (only the division by G is then left alone).
 
 ```python
 import transformers
@@ -50,7 +51,14 @@ import torch
 
 from ..upstream import temporarily
 
-__all__ = ["FALLBACK_NOTE", "WatchedCount", "stock_compute_loss", "stock_loss_factor", "stock_training_step"]
+__all__ = [
+    "FALLBACK_NOTE",
+    "WatchedCount",
+    "stock_compute_loss",
+    "stock_loss_factor",
+    "stock_training_step",
+    "sums_its_loss",
+]
 
 # What the fallback warning adds to its reason: what stock does on several devices, and what is still corrected.
 FALLBACK_NOTE = (
@@ -121,10 +129,20 @@ class WatchedCount(torch.Tensor):
         return result
 
 
+def sums_its_loss(model: Any) -> bool:
+    """
+    Whether `model`'s own loss is a plain sum that nothing divides (CTC with `ctc_loss_reduction="sum"`, the config
+    default): stock's scalings are then right (no division by the accumulation steps, the world size taking DDP's
+    averaging back), and a loss that never reads the count must not be divided.
+    """
+    return getattr(getattr(model, "config", None), "ctc_loss_reduction", None) == "sum"
+
+
 def _watchable(trainer, count: Any) -> bool:
     """Whether the fallback may watch `count` and correct the stock scalings it implies."""
     return (
         trainer.args.exact_loss  # exact_loss=False asks for stock, as it is
+        and not sums_its_loss(getattr(trainer, "model", None))
         and torch.is_tensor(count)
         and trainer.args.n_gpu <= 1  # DataParallel scatters the count into copies whose reads are not seen
         and not trainer.args.torch_compile  # a compiled graph need not call back into the watcher

@@ -42,8 +42,9 @@ from .compare import (
     takes_gradient_from_loss,
 )
 from .counts import StepCounts, sequence_length
+from .ctc import LOSS_CALL_KEY, LossCallWatch
 from .decoder import decoder_input_ids, needs_decoder_inputs
-from .heads import CrossEntropyHead, LossHead, Route
+from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
 from .replicas import is_data_parallel, outputs_device, run_in_replicas, takes_use_cache, without_cache
 
@@ -139,7 +140,9 @@ def micro_batch_loss(
     data_parallel = is_data_parallel(model)
     run.keep = return_outputs and (exact.outputs_wanted or not data_parallel)
     run.drop_cache = data_parallel
-    with exact.watching_decoder(check, model, inputs):  # which decoder inputs the model builds itself
+    # Which decoder inputs the model builds itself; what it passes to its own loss function (CTC's logit lengths).
+    with exact.watching_decoder(check, model, inputs), watching_loss_call(head, exact.unwrap(model)) as loss_call:
+        run.loss_call = loss_call
         if not data_parallel:
             terms, outputs = run(model, inputs, labels)
         else:
@@ -170,6 +173,7 @@ class _Forward:
         self.own = head.route is Route.MODEL_LOSS
         self.keep = False
         self.drop_cache = False
+        self.loss_call: LossCallWatch | None = None
         # The model gets the labels for the check, for its own loss, and where it builds its decoder inputs itself.
         self.with_labels = check is not None or head.route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD)
 
@@ -189,6 +193,8 @@ class _Forward:
         if count is not None:
             extra = {**extra, "num_items_in_batch": count}
         outputs = run(**inputs, **extra)
+        if self.loss_call is not None:
+            labels = {**labels, LOSS_CALL_KEY: self.loss_call.take()}
         from_loss = False
         if self.own or (self.probe and fused_outputs(outputs)):
             terms = model_terms(head, outputs, labels, seq_len, count)
@@ -196,8 +202,13 @@ class _Forward:
             here = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
             # A checked forward whose gradient comes from the model's own loss computes the head only to compare.
             from_loss = self.check is not None and self.loss_func is None and takes_gradient_from_loss(head, outputs)
-            with torch.no_grad() if from_loss else contextlib.nullcontext():
-                terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
+            try:
+                with torch.no_grad() if from_loss else contextlib.nullcontext():
+                    terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
+            except HeadMismatch:
+                if self.check is None:
+                    raise
+                terms = Terms()  # the check rules the head out (`replica_check`)
         if self.check is not None:
             given = count if self.probe else None
             check = check_terms(exact, self.check, outputs, labels, inputs, terms, given, from_loss)
@@ -234,8 +245,24 @@ def split_labels(
 
 
 def model_labels(labels: dict) -> dict:
-    """The labels as the model takes them: without the padding mark of an epoch's last step."""
-    return {key: value for key, value in labels.items() if key != REAL_ROWS_KEY}
+    """The labels as the model takes them: without the padding mark of an epoch's last step, nor what a forward's
+    `LossCallWatch` recorded."""
+    return {key: value for key, value in labels.items() if key not in (REAL_ROWS_KEY, LOSS_CALL_KEY)}
+
+
+@contextlib.contextmanager
+def watching_loss_call(head: LossHead | None, model: nn.Module):
+    """Around a forward of `head` (a `LossCallWatch` on `model`, unwrapped, where the head needs the arguments of the
+    model's own loss call); yields the watch, or None."""
+    names = getattr(head, "loss_call_arguments", ())
+    if not names or head.route is Route.USER_LOSS or not hasattr(model, "loss_function"):
+        yield None
+        return
+    watch = LossCallWatch(model, names)
+    try:
+        yield watch
+    finally:
+        watch.remove()
 
 
 def user_loss_total(head: LossHead, labels: dict, step: StepCounts | None, inputs: dict, main_input_name: str):
@@ -285,7 +312,9 @@ def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample
         sums, counts = head.row_terms(outputs, labels)
         if real is not None:
             mask = row_mask(sums.shape[0], real, sums.device)
-            sums, counts = sums * mask, counts * mask
+            # Chosen, not multiplied: a padding row's loss may be infinite (an infeasible CTC alignment), and inf x 0
+            # is NaN.
+            sums, counts = sums.where(mask, 0), counts.where(mask, 0)
         return sums, counts
     losses, valid = head.position_terms(outputs, labels)  # [1, positions]
     sample_ids = sample_ids.to(losses.device)
@@ -311,9 +340,9 @@ def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=
         with torch.no_grad() if from_loss else contextlib.nullcontext():
             return sample_terms(head, outputs, dict(labels), inputs, exact.evaluating)
 
-    known = {candidates[0]: (terms.sums, terms.counts)}
+    known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
     decoder = exact.check.decoder_vote(labels)
-    return replica_check(candidates, outputs, terms_of, known, count, from_loss, decoder)
+    return replica_check(candidates, outputs, terms_of, known, count, from_loss, decoder, exact.check.note_mismatch)
 
 
 def chosen_terms(terms: Terms, index: int) -> Terms:

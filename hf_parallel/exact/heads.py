@@ -30,6 +30,7 @@ __all__ = [
     "IGNORE_INDEX",
     "NO_GRAD_CHUNK_ELEMENTS",
     "CrossEntropyHead",
+    "HeadMismatch",
     "LossHead",
     "MultiLabelHead",
     "QuestionAnsweringHead",
@@ -42,6 +43,13 @@ __all__ = [
 IGNORE_INDEX = -100
 #: Logits entries per chunk of a per-position loss computed without autograd (64 MiB of float32).
 NO_GRAD_CHUNK_ELEMENTS = 2**24
+
+
+class HeadMismatch(ValueError):
+    """
+    A head's loss cannot be computed from these outputs and labels (their shapes do not match: something between
+    them adds or drops positions). In the checked forward it only rules the head out; after it, it stops the run.
+    """
 
 
 def _logits(outputs, key: str = "logits") -> torch.Tensor:
@@ -135,6 +143,12 @@ class LossHead:
     shift: bool = False
     #: Whether the logits have one row per label position (LMs, token classification), not one per sample.
     per_position: bool = False
+    #: Whether the model's loss is a plain sum over its items (CTC with `ctc_loss_reduction="sum"`): nothing divides
+    #: it, so the step's loss is the sum of its micro-batches' sums, and `combine` ignores the counts.
+    summed: bool = False
+    #: The arguments of the model's own `loss_function` call the head needs (e.g. CTC's `logit_lengths`): the labels
+    #: then stay in the forward, and `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`.
+    loss_call_arguments: tuple[str, ...] = ()
 
     def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
         self.label_keys = tuple(label_keys)
@@ -181,7 +195,12 @@ class LossHead:
         raise NotImplementedError(f"{type(self).__name__} does not define row_terms.")
 
     def combine(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`sum_k weight_k * sums_k / counts_k`, where a term with no item contributes 0 (never NaN)."""
+        """
+        `sum_k weight_k * sums_k / counts_k`, where a term with no item contributes 0 (never NaN); `sum_k weight_k *
+        sums_k` for a `summed` head.
+        """
+        if self.summed:
+            return sum(weight * sums[..., k].sum() for k, weight in enumerate(self.weights))
         ratios = sums / counts.to(sums.device, sums.dtype).clamp(min=1)
         # Python floats, not a tensor of the weights: building one each micro-batch is a host-to-device copy (and a
         # sync on CUDA) in the hot path.
@@ -248,7 +267,7 @@ class CrossEntropyHead(LossHead):
         rows = target.shape[0]
         target = target.to(logits.device).reshape(rows, -1)
         if self.per_position and logits.shape[1] != target.shape[1]:
-            raise ValueError(
+            raise HeadMismatch(
                 f"{self.name}: the model gives logits for {logits.shape[1]} positions but the labels have "
                 f"{target.shape[1]}; something between them adds or drops positions (e.g. virtual tokens), so the "
                 "loss cannot be matched to the labels. Set exact_loss=False for this model."

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
 
+from .ctc import CTCHead
 from .decoder import LabelsInForwardHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
+from .segmentation import SegmentationHead
 
 __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
 
@@ -18,7 +20,7 @@ __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHe
 def _class_names(*mappings: str) -> frozenset[str]:
     names = set()
     for mapping in mappings:
-        for value in getattr(modeling_auto, mapping).values():
+        for value in getattr(modeling_auto, mapping, {}).values():  # a mapping a release lacks: no classes
             names.update(value if isinstance(value, (tuple, list)) else (value,))
     return frozenset(names)
 
@@ -30,6 +32,41 @@ TOKEN_CLASSIFICATION = _class_names("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAME
 SEQUENCE_CLASSIFICATION = _class_names("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES")
 MULTIPLE_CHOICE = _class_names("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES")
 QUESTION_ANSWERING = _class_names("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES")
+# Beyond text. A classifier of images, videos or audio clips has the loss of a sequence classifier (transformers maps
+# them to `ForSequenceClassificationLoss`, or writes the same rule out).
+MEDIA_CLASSIFICATION = _class_names(
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+)
+CTC = _class_names("MODEL_FOR_CTC_MAPPING_NAMES")
+SEMANTIC_SEGMENTATION = _class_names("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES")
+# Language models conditioned on images, audio or video: encoder-decoders (Whisper, Speech2Text, TrOCR and Donut as
+# VisionEncoderDecoderModel) have the seq2seq LM loss, decoders with placeholder positions (LLaVA, Qwen2-VL,
+# Voxtral, ...) the causal LM loss over every position the labels do not ignore.
+MULTIMODAL_LM = _class_names(
+    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
+)
+# Losses that are not a sum over items, by mapping: why each stays on the stock loss.
+NOT_A_SUM = {
+    "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES": "matches predictions to boxes over the whole batch (Hungarian "
+    "matching) and divides by the boxes of all ranks",
+    "MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES": "matches predictions to boxes over the whole batch",
+    "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES": "matches predicted masks to the labels' masks over the batch",
+    "MODEL_FOR_INSTANCE_SEGMENTATION_MAPPING_NAMES": "matches predicted masks to the labels' masks over the batch",
+    "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES": "is a scale-invariant log loss of the whole batch, not a sum over "
+    "pixels",
+    "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES": "reconstructs masked patches (normalised targets, a mask the "
+    "model may draw itself), which the logits do not give per item",
+    "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES": "is contrastive: each row's loss depends on every "
+    "other row of its batch",
+    "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES": "takes its targets as one-hot frames",
+    "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES": "is an additive-margin softmax of speaker embeddings",
+    "MODEL_FOR_PRETRAINING_MAPPING_NAMES": "adds pre-training objectives the logits do not carry",
+}
 # PEFT adapters that leave the sequence as it is: prefix tuning and cartridges add keys and values, not positions.
 # Every other prompt-learning adapter prepends virtual tokens to the input, so a decoder's logits have more
 # positions than its labels.
@@ -80,6 +117,47 @@ def _question_answering(name: str, model, labels, smoothing: float) -> LossHead:
     return QuestionAnsweringHead()
 
 
+def _ctc(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s CTC loss.")
+    config = model.config
+    reduction = getattr(config, "ctc_loss_reduction", None)
+    if reduction not in ("mean", "sum"):
+        raise UnsupportedHead(f"{name} has ctc_loss_reduction={reduction!r}; hf_parallel knows 'mean' and 'sum'.")
+    blank = getattr(config, "pad_token_id", None)
+    if not isinstance(blank, int):
+        raise UnsupportedHead(f"{name} has no pad_token_id, which its CTC loss takes as the blank token.")
+    return CTCHead(blank, reduction, getattr(config, "ctc_zero_infinity", False), name=f"ctc/{reduction}")
+
+
+def _segmentation(name: str, model, labels, smoothing: float) -> LossHead:
+    config = model.config
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s per-pixel loss.")
+    if getattr(config, "use_auxiliary_head", False):
+        raise UnsupportedHead(
+            f"{name} adds an auxiliary head's loss (config.use_auxiliary_head=True) whose logits its outputs do not "
+            "carry; set use_auxiliary_head=False in its config to train it exactly without that head."
+        )
+    if getattr(config, "num_labels", 2) == 1:
+        raise UnsupportedHead(f"{name} with num_labels=1 has a binary loss averaged over every pixel, ignored or not.")
+    ignore = getattr(config, "semantic_loss_ignore_index", getattr(config, "loss_ignore_index", 255))
+    return SegmentationHead(ignore_index=ignore)
+
+
+def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
+    if getattr(model.config, "is_encoder_decoder", False):
+        return _seq2seq_lm(name, model, labels, smoothing)
+    return CrossEntropyHead(name="multimodal_lm", shift=True, smoothing=smoothing, per_position=True)
+
+
+def _not_a_sum(reason: str) -> Callable[..., LossHead]:
+    def build(name: str, model, labels, smoothing: float) -> LossHead:
+        raise UnsupportedHead(f"{name}'s loss {reason}: it is not a sum over items that can be split exactly.")
+
+    return build
+
+
 def _seq2seq_lm(name: str, model, labels, smoothing: float) -> LossHead:
     if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
         # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
@@ -116,6 +194,11 @@ HEAD_FAMILIES: tuple[HeadFamily, ...] = (
     HeadFamily(MASKED_LM, _cross_entropy("masked_lm", per_position=True)),
     HeadFamily(TOKEN_CLASSIFICATION, _cross_entropy("token_classification", per_position=True)),
     HeadFamily(MULTIPLE_CHOICE, _cross_entropy("multiple_choice")),
+    HeadFamily(MEDIA_CLASSIFICATION, _sequence_classification),
+    HeadFamily(CTC, _ctc),
+    HeadFamily(SEMANTIC_SEGMENTATION, _segmentation),
+    HeadFamily(MULTIMODAL_LM, _multimodal_lm),
+    *(HeadFamily(_class_names(mapping), _not_a_sum(reason)) for mapping, reason in NOT_A_SUM.items()),
 )
 
 
@@ -126,8 +209,8 @@ def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHea
         if name in family.classes and family.encoder_decoder in (None, encoder_decoder):
             return family.build(name, model, sample_labels, smoothing)
     raise UnsupportedHead(
-        f"{name} is not a head hf_parallel knows (causal/seq2seq/masked LM, token/sequence classification, "
-        "multiple choice, question answering)."
+        f"{name} is not a head hf_parallel knows (causal/seq2seq/masked/multimodal LM, token/sequence/image/video/"
+        "audio classification, multiple choice, question answering, CTC, semantic segmentation)."
     )
 
 

@@ -1,0 +1,132 @@
+"""
+CTC speech recognition (`*ForCTC`: Wav2Vec2, HuBERT, WavLM, Parakeet, ...): the per-utterance CTC loss.
+
+transformers' CTC heads call `self.loss_function(logits=..., labels=..., logit_lengths=..., blank_token_id=...,
+reduction=config.ctc_loss_reduction, zero_infinity=config.ctc_zero_infinity)`, with `logit_lengths` (the frames of
+each utterance's logits) computed inside the forward, each model its own way (from the feature extractor's strides,
+from the encoder's attention mask). Nothing outside the forward can compute them without guessing, so the labels
+stay in the forward (`Route.LABELS_IN_FORWARD`) and `LossCallWatch` records the arguments of that call; the head then
+computes one CTC loss per utterance from the logits and those lengths (`reduction="none"`).
+
+The two reductions:
+- `"mean"`: each utterance's loss divided by its target length (at least 1), averaged over the utterances: the items
+  are the utterances, S the sum of their length-normalised losses;
+- `"sum"` (the config default): a plain sum. No one divides it, so the step's loss is the sum over all its
+  utterances, on every rank and micro-batch (`LossHead.summed`); under DDP each rank's sum is scaled by the world
+  size, which DDP's averaging takes back.
+
+```python
+from hf_parallel.exact.ctc import CTCHead, LossCallWatch
+
+head = CTCHead(blank=model.config.pad_token_id, reduction=model.config.ctc_loss_reduction)
+watch = LossCallWatch(model, head.loss_call_arguments)
+outputs = model(input_values=values, attention_mask=mask, labels=labels)
+sums, counts = head.row_terms(outputs, {"labels": labels, LOSS_CALL_KEY: watch.take()})
+watch.remove()
+```
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .heads import IGNORE_INDEX, HeadMismatch, LossHead, Route, _logits
+
+__all__ = ["LOSS_CALL_KEY", "CTCHead", "LossCallWatch"]
+
+#: The labels key under which a forward's `LossCallWatch` leaves the arguments of the model's loss call.
+LOSS_CALL_KEY = "hf_parallel_loss_call"
+
+
+class LossCallWatch:
+    """
+    The arguments `model` passes to its own `loss_function` in a forward, recorded by a stand-in `loss_function` that
+    calls the model's own, until `remove`. Per thread: each DataParallel replica (a copy of the model's attributes,
+    this stand-in included) runs in its own thread and records there.
+
+    Args:
+        model (`nn.Module`): the transformers model, out of DataParallel/DDP wrappers.
+        names (`tuple[str, ...]`): the keyword arguments to record.
+    """
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]):
+        self.model, self.names = model, tuple(names)
+        self._seen = threading.local()
+        self._had_own = "_loss_function" in vars(model)
+        self._own = vars(model).get("_loss_function")
+        original = model.loss_function
+
+        def recording(*args, **kwargs):
+            self._seen.arguments = {name: kwargs[name] for name in self.names if name in kwargs}
+            return original(*args, **kwargs)
+
+        model.loss_function = recording  # transformers' setter: an instance attribute, which replicas copy
+
+    def take(self) -> dict:
+        """What this thread's forward passed (empty when it did not call its `loss_function`). Forgets it."""
+        return vars(self._seen).pop("arguments", {})
+
+    def remove(self) -> None:
+        """Give the model its own `loss_function` back."""
+        if self._had_own:
+            self.model._loss_function = self._own
+        else:
+            vars(self.model).pop("_loss_function", None)
+
+
+class CTCHead(LossHead):
+    """
+    The CTC loss of each utterance, from the logits and the `logit_lengths` the model passed to its loss function.
+
+    Args:
+        blank (`int`): the blank token id (`config.pad_token_id`, as the models pass it).
+        reduction (`str`): `config.ctc_loss_reduction`, `"mean"` or `"sum"`.
+        zero_infinity (`bool`, *optional*): `config.ctc_zero_infinity`.
+        name (`str`, *optional*): for messages.
+    """
+
+    route = Route.LABELS_IN_FORWARD
+    loss_call_arguments = ("logit_lengths",)
+
+    def __init__(self, blank: int, reduction: str, zero_infinity: bool = False, name: str | None = None):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"CTCHead: ctc_loss_reduction must be 'mean' or 'sum', got {reduction!r}.")
+        super().__init__(("labels",), name or f"ctc/{reduction}")
+        self.blank, self.reduction, self.zero_infinity = blank, reduction, bool(zero_infinity)
+        self.summed = reduction == "sum"
+
+    def count(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> torch.Tensor:
+        """The utterances: every row is one, with or without targets (torch's mean divides by the batch)."""
+        target = labels["labels"]
+        return torch.tensor([target.shape[0]], device=target.device)
+
+    def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = labels.get(LOSS_CALL_KEY, {}).get("logit_lengths")
+        if not torch.is_tensor(lengths):
+            raise HeadMismatch(
+                f"{self.name}: the model did not pass logit_lengths to its loss_function, so the frames of each "
+                "utterance are not known."
+            )
+        logits = _logits(outputs)
+        target = labels["labels"].to(logits.device)
+        items = target.ne(IGNORE_INDEX) & target.ne(self.blank)
+        target_lengths = items.sum(-1)
+        log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+        with torch.backends.cudnn.flags(enabled=False):  # as the models: cuDNN's CTC takes other inputs
+            losses = F.ctc_loss(
+                log_probs,
+                target.masked_select(items),
+                lengths.to(logits.device),
+                target_lengths,
+                blank=self.blank,
+                reduction="none",
+                zero_infinity=self.zero_infinity,
+            )
+        if not self.summed:
+            losses = losses / target_lengths.clamp(min=1)
+        rows = target.shape[0]
+        return losses.reshape(rows, 1), torch.ones(rows, 1, dtype=torch.long, device=losses.device)
