@@ -13,6 +13,12 @@ autograd node, `_GradientsToSource`, whose backward sums the gradients of the re
 gives `None` when none did). A tied parameter (one tensor held by two modules, e.g. GPT-2's embedding and LM head) is
 one copy per replica, shared by every module that holds it, as torch's replicas share it. The copies are kept in the
 replicas' `_parameters`, so `model.device` and `model.dtype` work inside a replica.
+
+transformers 5 records hidden states and attentions with forward hooks it installs at a model's first forward. A
+replica shares its module's hook dictionaries (torch copies a module's `__dict__` shallowly), so a model whose first
+forward runs in the replicas gets its hooks installed once per replica thread, into the same dictionaries: every
+hidden state is then recorded several times (Segformer and LLaVA, whose forwards read them, fail or read the wrong
+layers). `replicate_with_routing` installs them on the module first (`install_output_hooks`), once.
 """
 
 from __future__ import annotations
@@ -23,7 +29,31 @@ import torch
 from torch import nn
 from torch.nn.parallel import replicate
 
-__all__ = ["replicate_with_routing"]
+__all__ = ["install_output_hooks", "replicate_with_routing"]
+
+
+def install_output_hooks(module: nn.Module) -> None:
+    """
+    Install transformers' output-recording hooks on the outermost transformers models inside `module` (each installs
+    those of the models within it), unless a forward installed them already; nothing on releases without them.
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # transformers 4 returns hidden states without hooks
+        return
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    if any(getattr(m, "_output_capturing_hooks_installed", False) for m in models):
+        return  # installed by a forward (installing again from the top would add each hook twice)
+
+    def outermost(node: nn.Module) -> None:
+        if isinstance(node, PreTrainedModel):
+            maybe_install_capturing_hooks(node)
+            return
+        for child in node.children():
+            outermost(child)
+
+    outermost(module)
 
 
 class _GradientsToSource(torch.autograd.Function):
@@ -78,6 +108,7 @@ def replicate_with_routing(module: nn.Module, device_ids: Sequence[int]) -> list
             return replicate_with_routing(module, device_ids)
     ```
     """
+    install_output_hooks(module)
     grad = torch.is_grad_enabled()
     with torch.no_grad():
         replicas = replicate(module, device_ids, detach=True)

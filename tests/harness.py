@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -248,6 +249,14 @@ def max_relative_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     scale = max(t.abs().max().item() for t in b.values()) or 1.0
     return max((a[name] - b[name]).abs().max().item() for name in a) / scale
+
+
+def assert_equivalent(result: RunResult, reference: RunResult, what: str, tol: float = 1e-5) -> None:
+    """`result` trained as `reference` did: the logged loss, eval_loss, gradient and parameters after the step."""
+    assert result.loss == pytest.approx(reference.loss, rel=tol), f"{what}: logged loss"
+    assert result.eval_loss == pytest.approx(reference.eval_loss, rel=tol), f"{what}: eval_loss"
+    assert max_relative_diff(result.grads, reference.grads) < tol, f"{what}: gradient"
+    assert max_relative_diff(result.params, reference.params) < tol, f"{what}: parameters after the step"
 
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

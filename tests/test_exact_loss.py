@@ -22,6 +22,7 @@ from tests.harness import (
     Capture,
     RunResult,
     Topology,
+    assert_equivalent,
     max_relative_diff,
     run_case,
     run_ddp_runs,
@@ -77,13 +78,6 @@ def single(case: str) -> RunResult:
     if case not in _single_cache:
         _single_cache[case] = run_case(case, SINGLE)
     return _single_cache[case]
-
-
-def assert_equivalent(result: dict, reference: dict, what: str) -> None:
-    assert result.loss == pytest.approx(reference.loss, rel=TOL), f"{what}: logged loss"
-    assert result.eval_loss == pytest.approx(reference.eval_loss, rel=TOL), f"{what}: eval_loss"
-    assert max_relative_diff(result.grads, reference.grads) < TOL, f"{what}: gradient"
-    assert max_relative_diff(result.params, reference.params) < TOL, f"{what}: parameters after the step"
 
 
 # ---- The reference: what one device computes on the whole step --------------------------------------------------

@@ -1,0 +1,262 @@
+"""
+Exact beyond text: a sample of each head family (tests/modalities.py: image classification, CTC "mean" and "sum",
+speech seq2seq, semantic segmentation, a vision-language LM) equals the model's own loss and gradient on the whole
+step in one process, under gradient accumulation, torch's DataParallel (the emulation, even and with `gpu0_bsz`) and
+2-rank DDP, in training and evaluation; stock is the control that must differ (x2 for the heads that average their own
+loss and take `**kwargs`), or, for CTC's summed loss, the fallback must not move away from it. Then the edges: losses
+that are not a sum over items are warned with their reason, a head that cannot be computed from the outputs only fails
+the check, batch normalisation is warned, the model's `loss_function` is given back.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.data.data_collator import default_data_collator
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import hf_parallel
+from hf_parallel.exact import resolve_head
+from hf_parallel.exact.ctc import LossCallWatch
+from hf_parallel.exact.fallback import sums_its_loss
+from hf_parallel.exact.resolve import UnsupportedHead
+from tests.harness import (
+    SINGLE,
+    TRAIN_ROWS,
+    RunResult,
+    Topology,
+    assert_equivalent,
+    max_relative_diff,
+    record_hf_parallel_log,
+    run_case,
+    run_ddp_runs,
+)
+from tests.modalities import CASES, _segformer, _wav2vec2, ctc_rows
+from tests.tiny import tiny
+
+TOL = 1e-5
+GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
+DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
+DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
+DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
+# Stock's loss under gradient accumulation 2, over one device's: x2 where the model averages its own loss and its
+# forward takes **kwargs (stock then neither divides by the accumulation steps nor sees the count ignored); exact for
+# a summed CTC loss, which nothing divides; LLaVA's loss honours the count.
+STOCK_GA2 = {
+    "vit_image_classification": 1.0,
+    "wav2vec2_ctc_mean": 2.0,
+    "wav2vec2_ctc_sum": 1.0,
+    "whisper_speech_seq2seq": 2.0,
+    "segformer_segmentation": 2.0,
+    "llava_vlm": 1.0,
+}
+
+_single: dict[str, RunResult] = {}
+
+
+def single(case: str) -> RunResult:
+    if case not in _single:
+        _single[case] = run_case(CASES[case], SINGLE)
+    return _single[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_process_is_the_models_own_loss_on_the_whole_step(case):
+    spec = CASES[case]
+    model = spec.build(0)
+    loss = model(**default_data_collator(spec.rows(TRAIN_ROWS, 1))).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    result = single(case)
+    assert result.loss == pytest.approx(loss.item(), rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
+
+
+IN_PROCESS = [
+    pytest.param(case, topology, id=f"{case}-{topology.name}") for topology in (GA2, DP2, DP3_GPU0) for case in CASES
+]
+
+
+@pytest.mark.parametrize(("case", "topology"), IN_PROCESS)
+def test_in_process_topologies_equal_one_process(case, topology):
+    result = run_case(CASES[case], topology)
+    assert_equivalent(result, single(case), f"{case} under {topology.name}", TOL)
+
+
+def test_control_stock_data_parallel_records_hidden_states_once_per_replica():
+    """
+    Stock's torch DataParallel on a model whose first forward runs in the replicas: each replica thread installs
+    transformers' output-recording hooks into the dictionaries they share with the model, so Segformer's decode head
+    gets every hidden state twice and fails (hf_parallel installs them once before replicating: the DP rows above).
+    A tripwire: when this stops failing, stock records them once.
+    """
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        run_case(CASES["segformer_segmentation"], DP2, stock=True, eval_rows=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_control_stock_under_gradient_accumulation(case):
+    stock = run_case(CASES[case], GA2, stock=True)
+    ratio = STOCK_GA2[case]
+    # x2 up to how unevenly the micro-batches' means weigh their items (Whisper's rows: 0.05 %).
+    assert stock.loss / single(case).loss == pytest.approx(ratio, rel=1e-4 if ratio == 1.0 else 1e-2)
+    if ratio != 1.0:
+        assert max_relative_diff(stock.grads, single(case).grads) > 0.3
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> dict:
+    runs = {f"DDP 2: {case}": (CASES[case], DDP2, False, {}) for case in CASES}
+    runs.update({f"DDP 2 x GA 2: {case}": (CASES[case], DDP2_GA2, False, {}) for case in ("wav2vec2_ctc_sum",)})
+    runs["stock DDP 2: wav2vec2_ctc_mean"] = (CASES["wav2vec2_ctc_mean"], DDP2, True, {})
+    return run_ddp_runs(runs, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_process(ddp_results):
+    for name, result in ddp_results.items():
+        if name.startswith("stock"):
+            continue
+        case = name.split(": ")[1]
+        assert result.world_size == 2
+        assert result.wrapped == "DistributedDataParallel"
+        assert result.max_rank_param_diff == 0.0
+        assert_equivalent(result, single(case), name, TOL)
+    stock = ddp_results["stock DDP 2: wav2vec2_ctc_mean"]
+    assert stock.loss / single("wav2vec2_ctc_mean").loss == pytest.approx(2.0, rel=1e-4)
+
+
+# ---- CTC's summed loss: never divided, whatever the route ---------------------------------------------------------
+
+
+class OwnComputeLoss(hf_parallel.Trainer):
+    """A subclass that overrides compute_loss: hf_parallel leaves the loss to it (the stock loss), with a warning."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_a_summed_ctc_loss_left_to_stock_stays_as_stock():
+    """The fallback divides a loss that never reads the count by the accumulation steps; a summed CTC loss is exact
+    in stock and must stay so (it was x0.5)."""
+    case = CASES["wav2vec2_ctc_sum"]
+    assert sums_its_loss(case.build(0))
+    with record_hf_parallel_log() as log:
+        ours = run_case(case, GA2, classes=(OwnComputeLoss, hf_parallel.TrainingArguments))
+    assert "The loss is left to the Trainer" in log.text
+    assert ours.loss == pytest.approx(single("wav2vec2_ctc_sum").loss, rel=TOL)
+    assert max_relative_diff(ours.grads, single("wav2vec2_ctc_sum").grads) < TOL
+
+
+def test_ctc_eval_loss_of_a_sum_is_the_sum_over_the_set():
+    """eval_loss of a summed CTC loss: the sum over the evaluation set, as one forward over it gives."""
+    case = CASES["wav2vec2_ctc_sum"]
+    model = case.build(0).eval()
+    rows = case.rows(7, 2)  # run_case's evaluation rows
+    with torch.no_grad():
+        total = model(**default_data_collator(rows)).loss.item()
+    result = run_case(case, SINGLE, evaluate_first=True)
+    assert result.eval_loss == pytest.approx(total, rel=TOL)
+
+
+def test_loss_call_watch_gives_the_model_its_loss_function_back():
+    model = _wav2vec2("mean", 0)
+    before = model.loss_function
+    batch = default_data_collator(ctc_rows(3, 1))
+    watch = LossCallWatch(model, ("logit_lengths",))
+    model(**batch)
+    seen = watch.take()
+    watch.remove()
+    assert seen["logit_lengths"].shape == (3,)
+    assert watch.take() == {}  # taken once
+    assert model.loss_function is before
+    assert "_loss_function" not in vars(model)
+
+
+# ---- What stays on the stock loss, and why -------------------------------------------------------------------------
+
+
+def _named(name: str, config) -> torch.nn.Module:
+    """A module of class `name` with `config`: resolve_head goes by the class name."""
+    module = type(name, (torch.nn.Module,), {})()
+    module.config = config
+    return module
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("DetrForObjectDetection", "Hungarian"),
+        ("DPTForDepthEstimation", "scale-invariant"),
+        ("ViTForMaskedImageModeling", "masked patches"),
+        ("Mask2FormerForUniversalSegmentation", "masks"),
+        ("Wav2Vec2ForAudioFrameClassification", "one-hot"),
+    ],
+)
+def test_losses_that_are_not_a_sum_say_why(name, reason):
+    with pytest.raises(UnsupportedHead, match=reason):
+        resolve_head(_named(name, transformers.PretrainedConfig()))
+
+
+def test_segmentation_with_an_auxiliary_head_says_how_to_train_exactly():
+    model = _named("BeitForSemanticSegmentation", transformers.BeitConfig(use_auxiliary_head=True))
+    with pytest.raises(UnsupportedHead, match="use_auxiliary_head=False"):
+        resolve_head(model)
+
+
+def test_batch_normalisation_is_warned():
+    """Segformer's decode head normalises over each micro-batch: warned, once, naming the split."""
+    from tests.heads import Case
+
+    with_batch_norm = Case(
+        "segformer_batch_norm", lambda seed: _bn_segformer(seed), CASES["segformer_segmentation"].rows
+    )
+    with record_hf_parallel_log() as log:
+        run_case(with_batch_norm, GA2, eval_rows=0)
+    warnings = [m for m in log.messages if "batch normalisation" in m]
+    assert len(warnings) == 1 and "2 accumulated micro-batches" in warnings[0], log.text
+    with record_hf_parallel_log() as log:
+        run_case(with_batch_norm, SINGLE, eval_rows=0)
+    assert "batch normalisation" not in log.text  # one forward per step: nothing to warn about
+
+
+def _bn_segformer(seed: int) -> torch.nn.Module:
+    model = _segformer(seed)
+    model.decode_head.batch_norm = torch.nn.BatchNorm2d(model.config.decoder_hidden_size)
+    return model
+
+
+# ---- A head that cannot be computed from the outputs: the check rules it out ---------------------------------------
+
+
+class _PrefixedLlama(LlamaForCausalLM):
+    """Logits with a position more than the labels (a learned prefix, as BLIP-2's queries), its loss on the rest."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = super().forward(input_ids=input_ids, attention_mask=attention_mask)
+        logits = torch.cat([outputs.logits[:, :1], outputs.logits], dim=1)
+        loss = None
+        if labels is not None:
+            shown = logits[:, 1:].contiguous()
+            loss = self.loss_function(logits=shown, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_logits_longer_than_the_labels_fall_back_with_the_reason_not_a_crash():
+    from tests.heads import Case, lm_rows
+
+    cls = types.new_class("LlamaForCausalLM", (_PrefixedLlama,))  # resolved by its class name: a causal LM
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return cls(tiny(LlamaConfig))
+
+    with record_hf_parallel_log() as log:
+        result = run_case(Case("prefixed", build, lm_rows), GA2, eval_rows=0)
+    assert "positions" in log.text and "The loss is left to the Trainer" in log.text, log.text
+    assert result.loss is not None and torch.isfinite(torch.tensor(result.loss))
