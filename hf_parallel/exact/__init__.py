@@ -36,7 +36,7 @@ C its own way (`heads`); a head takes one route (`heads.Route`), set in one plac
 |---|---|---|
 | `RECOMPUTED` | every known head (the default) | labels out of the forward, S from the logits |
 | `MODEL_LOSS` | a per-position cross-entropy whose model honours the count | S / C in one forward, no logits (Liger) |
-| `LABELS_IN_FORWARD` | encoder-decoders that build decoder inputs in the forward | the model needs its labels |
+| `LABELS_IN_FORWARD` | seq2seq LMs building decoder inputs in the forward; CTC | the model needs its labels |
 | `USER_LOSS` | any head, with the Trainer's `compute_loss_func` | the user's loss, given C; the head counts |
 
 No head (a model whose loss cannot be recomputed, or a Trainer that overrides `compute_loss`): the stock loss, with
