@@ -1,12 +1,16 @@
 """
-The model zoo: every class name of the auto mappings hf_parallel claims a head for (`hf_parallel.exact.resolve`),
-built tiny from its config class (`benchmarks.zoo_models`), one optimizer step of 2 rows x gradient accumulation 2
-against the model's own loss and gradient on the same 4 rows in one forward; hf_parallel's Trainer and stock
-`transformers.Trainer` side by side.
+The model zoo: every class name of the auto mappings hf_parallel claims a head for (`hf_parallel.exact.resolve`), the
+text ones and the non-text ones (images, video, audio, vision-language: `benchmarks.zoo_models.HEAD_KINDS`), built
+tiny from its config class (`benchmarks.zoo_models`) with four rows of inputs made in code (`benchmarks.zoo_inputs`),
+one optimizer step of 2 rows x gradient accumulation 2 against the model's own loss and gradient on the same 4 rows
+in one forward; hf_parallel's Trainer and stock `transformers.Trainer` side by side.
 
-    python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (~25 minutes on 2 busy cores)
+    python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (~45 minutes on 2 busy cores)
+    python -m benchmarks.zoo --kinds ctc speech_seq2seq     # only these kinds (the non-text ones: ~20 minutes)
     python -m benchmarks.zoo --shard 0/4                    # a quarter of it
     python -m benchmarks.zoo --classes BartForCausalLM ProphetNetForCausalLM
+
+A class whose tiny model, rows and own loss take over `BUILD_SECONDS` to make is unbuildable ("too slow").
 
 Outcomes (a class is counted once):
     exact        the logged loss and the gradient equal the reference (relative difference below `TOL`).
@@ -25,7 +29,9 @@ import argparse
 import contextlib
 import copy
 import logging
+import signal
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -33,14 +39,15 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers.data.data_collator import default_data_collator
 
 import hf_parallel
-from benchmarks.zoo_models import ZooModel, build_model, rows_for, zoo_models
+from benchmarks.zoo_inputs import collate, rows_for
+from benchmarks.zoo_models import HEAD_KINDS, ZooModel, build_model, zoo_models
 
 __all__ = ["Outcome", "OUTCOMES", "check_model", "main"]
 
 TOL = 1e-4
+BUILD_SECONDS = 60.0  # a class whose tiny model, rows and own loss take longer is unbuildable ("too slow")
 OUTCOMES = ("exact", "fallback", "silent", "crash", "unbuildable")
 # What hf_parallel's fallback warning says (see hf_parallel.exact.core.ExactLoss.warn_fallback).
 _FALLBACK_MARK = "The loss is left to the Trainer"
@@ -118,7 +125,7 @@ def _relative(a: dict, b: dict) -> float:
 def reference(model: torch.nn.Module, rows: list[dict]) -> tuple[float, dict]:
     """The model's own loss on all rows in one forward, and its gradient."""
     model = copy.deepcopy(model).train()
-    loss = model(**default_data_collator(rows)).loss
+    loss = model(**collate(rows)).loss
     loss.backward()
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -127,9 +134,9 @@ def batch_dependent(model: torch.nn.Module, rows: list[dict]) -> bool:
     """Whether the first rows' logits change with the rest of the batch (then no split can equal one forward)."""
     model = copy.deepcopy(model).train()
     with torch.no_grad():
-        whole = model(**default_data_collator(rows))
-        part = model(**default_data_collator(rows[:2]))
-    key = "logits" if "logits" in whole else "start_logits"
+        whole = model(**collate(rows))
+        part = model(**collate(rows[:2]))
+    key = next(k for k, v in whole.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim())
     a, b = whole[key][:2].float(), part[key].float()
     return a.shape != b.shape or bool((a - b).abs().max() > TOL * max(a.abs().max().item(), 1.0))
 
@@ -147,6 +154,7 @@ def train_step(model: torch.nn.Module, rows: list[dict], stock: bool) -> tuple[f
             model=copy.deepcopy(model),
             args=args_cls(output_dir=tmp, **STEP),
             train_dataset=hf_parallel_rows(rows),
+            data_collator=collate,
             callbacks=[capture],
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
@@ -187,16 +195,35 @@ def _attempt(function, *args):
         return error
 
 
-def check_model(zoo_model: ZooModel) -> Outcome:
-    """Build `zoo_model` tiny, and train one GA-2 step with hf_parallel and with stock against its own loss."""
+class TooSlow(Exception):
+    """Building a tiny model, its rows and its own loss took longer than `BUILD_SECONDS`."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise `TooSlow` in the main thread after `seconds` (SIGALRM; elsewhere, or at 0, no limit)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise TooSlow(f"too slow: over {seconds:.0f} s to build")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        model = build_model(zoo_model)
-        rows = rows_for(zoo_model, model)
-        ref_loss, ref_grads = reference(model, rows)
-        if not ref_grads or not torch.isfinite(torch.tensor(ref_loss)):
-            raise ValueError(f"the model's own loss is {ref_loss} with {len(ref_grads)} gradients")
-        if batch_dependent(model, rows):
-            raise ValueError("its forward depends on the rest of the batch")
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_model(zoo_model: ZooModel, build_seconds: float = BUILD_SECONDS) -> Outcome:
+    """Build `zoo_model` tiny (within `build_seconds`), and train one GA-2 step with hf_parallel and with stock
+    against its own loss."""
+    try:
+        with _deadline(build_seconds):
+            model, rows, ref_loss, ref_grads = _build(zoo_model)
     except Exception as error:
         return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "unbuildable", _one_line(error))
     stock, stock_reason = _judge(_attempt(train_step, model, rows, True), ref_loss, ref_grads)
@@ -206,6 +233,18 @@ def check_model(zoo_model: ZooModel) -> Outcome:
     return Outcome(
         zoo_model.name, zoo_model.kind, ours, stock, reason or (f"stock: {stock_reason}" * (ours != "exact"))
     )
+
+
+def _build(zoo_model: ZooModel) -> tuple[torch.nn.Module, list[dict], float, dict]:
+    """The tiny model, its rows, and its own loss and gradient on them; raises where any cannot be made."""
+    model = build_model(zoo_model)
+    rows = rows_for(zoo_model, model)
+    ref_loss, ref_grads = reference(model, rows)
+    if not ref_grads or not torch.isfinite(torch.tensor(ref_loss)):
+        raise ValueError(f"the model's own loss is {ref_loss} with {len(ref_grads)} gradients")
+    if batch_dependent(model, rows):
+        raise ValueError("its forward depends on the rest of the batch")
+    return model, rows, ref_loss, ref_grads
 
 
 def _one_line(error: BaseException) -> str:
@@ -230,10 +269,11 @@ def report(outcomes: list[Outcome]) -> str:
 def main(argv: list[str] | None = None) -> list[Outcome]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", nargs="*", help="only these class names")
+    parser.add_argument("--kinds", nargs="*", choices=list(HEAD_KINDS), help="only the classes of these kinds")
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th class from the i-th")
     args = parser.parse_args(argv)
     index, count = (int(part) for part in args.shard.split("/"))
-    models = [m for m in zoo_models() if not args.classes or m.name in args.classes][index::count]
+    models = [m for m in zoo_models(args.kinds) if not args.classes or m.name in args.classes][index::count]
     transformers.logging.set_verbosity_error()
     logging.getLogger("hf_parallel").setLevel(logging.WARNING)
     outcomes = []

@@ -1,10 +1,13 @@
 """
-The model zoo of `benchmarks.zoo`: every class name of the auto mappings hf_parallel claims a head for, built tiny
-from its config class, and four rows of inputs and labels for its head.
+The model zoo of `benchmarks.zoo`: every class name of the text auto mappings hf_parallel claims a head for
+(`TEXT_KINDS`) and of the non-text ones (`MEDIA_KINDS`: images, video, audio, vision-language), each built tiny from
+its config class; `benchmarks.zoo_inputs` makes the four rows of inputs and labels for its kind.
 
-A tiny config is the config class's defaults with every size it knows shrunk (`SIZES`: width, depth, heads, experts),
-every dropout and stochastic depth at 0, and no cache; nested configs (a text config, an encoder and a decoder) are
-shrunk alike. The vocabulary is kept above every special token id the config names, so that those stay valid.
+A tiny config is the config class's defaults with every size it knows shrunk (`SIZES`: width, depth, heads, experts;
+`MEDIA_SIZES`: images of 32 pixels in patches of at most 8, short convolution stacks, few mel bins), every dropout,
+stochastic depth and SpecAugment mask at 0, and no cache; nested configs (a text, vision or audio config, an encoder
+and a decoder, a backbone) are shrunk alike. The vocabulary is kept above every special token id the config or the
+config around it names (a VLM's image token), so that those stay valid.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import torch
 import transformers
 from transformers.models.auto import configuration_auto, modeling_auto
 
-__all__ = ["HEAD_KINDS", "ZooModel", "build_model", "rows_for", "zoo_models"]
+__all__ = ["HEAD_KINDS", "MEDIA_KINDS", "TEXT_KINDS", "ZooModel", "build_model", "zoo_models"]
 
-#: The mappings of `hf_parallel.exact.resolve`, by the head kind they give, in its order of precedence.
-HEAD_KINDS = {
+#: The text mappings of `hf_parallel.exact.resolve`, by the head kind they give, in its order of precedence.
+TEXT_KINDS = {
     "question_answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
     "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
@@ -27,11 +30,32 @@ HEAD_KINDS = {
     "token_classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
     "multiple_choice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
 }
+#: The non-text mappings with a loss, by kind; a class of a text mapping keeps its text kind. The last seven have a
+#: loss that is not a sum over items (matching, contrastive, scale-invariant, a mean over masked patches).
+MEDIA_KINDS = {
+    "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "video_classification": "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES",
+    "audio_classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "speech_seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "semantic_segmentation": "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
+    "image_text_to_text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "multimodal_lm": "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+    "vision_2_seq": "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",  # gone from recent transformers; skipped when absent
+    "object_detection": "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES",
+    "depth_estimation": "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES",
+    "masked_image_modeling": "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES",
+    "universal_segmentation": "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES",
+    "audio_frame_classification": "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES",
+    "audio_xvector": "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES",
+    "zero_shot_image_classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+HEAD_KINDS = {**TEXT_KINDS, **MEDIA_KINDS}
 
-SEQ = 8
-ROWS = 4
 NUM_LABELS = 3
 WIDTH = 32
+IMAGE = 32
+MAX_PATCH = 8
 
 # Config attribute -> its tiny value. Only attributes the config class has are set.
 SIZES = {
@@ -59,6 +83,50 @@ SIZES = {
     "use_cache": False,
     "num_labels": NUM_LABELS,
 }
+# The sizes of images, video, audio and vision-language configs (an int attribute only; see `_media`).
+MEDIA_SIZES = {
+    "image_size": IMAGE,
+    "num_frames": 4,  # video: frames of a clip
+    **dict.fromkeys(("decoder_hidden_size", "fusion_hidden_size", "classifier_proj_size", "xvector_output_dim"), 32),
+    **dict.fromkeys(("decoder_intermediate_size", "encoder_feedforward_dim", "dim_feedforward"), 64),
+    **dict.fromkeys(("feature_size", "mask_feature_size", "conv_channels", "output_hidden_size"), 32),
+    **dict.fromkeys(("out_hidden_size", "vision_output_dim"), WIDTH),  # a vision tower's output, the text's width
+    **dict.fromkeys(("decoder_num_hidden_layers", "depth", "vision_layers", "audio_layers"), 2),
+    "num_queries": 8,
+    "num_mel_bins": 8,
+    "input_feat_per_channel": 8,
+    "max_source_positions": 16,  # Whisper-like encoders take exactly 2 x this many frames
+    "num_conv_pos_embeddings": 16,
+    "num_conv_pos_embedding_groups": 2,
+    "train_num_points": 64,
+    "mask_time_prob": 0.0,  # SpecAugment draws masks in training: the reference forward would draw other ones
+    "mask_feature_prob": 0.0,
+    "apply_spec_augment": False,
+}
+# Lists of a vision tower's layers, which must stay within its 2 layers: attribute -> its tiny list.
+_LAYER_LISTS = {
+    "deepstack_visual_indexes": lambda v: [0, 1][: len(v)],
+    "fullatt_block_indexes": lambda v: [1],
+    "global_attn_indexes": lambda v: [1],
+    "vision_feature_layers": lambda v: [-1] * len(v),
+    "vision_feature_layer": lambda v: [-1] * len(v),  # VipLlava: a list
+    "image_grid_pinpoints": lambda v: [[IMAGE, IMAGE]],  # LLaVA-NeXT: one tile of the tiny image
+}
+# Per-stage lists of hierarchical vision and audio stacks: their length is kept, their values shrunk.
+_STAGE_LISTS = {
+    "depths": lambda v: 1,
+    "hidden_sizes": lambda v: min(v, 128),  # a bottleneck of a quarter still holds 32 groups of a group norm
+    "conv_dim": lambda v: min(v, 32),
+    "tdnn_dim": lambda v: min(v, 32),
+    "num_heads": lambda v: min(v, 2),
+    "num_attention_heads": lambda v: min(v, 2),
+}
+# Sizes that only some model types read alike: model type (a substring of it) -> attribute -> tiny value.
+_TYPE_SIZES = {
+    "swin": {"window_size": 2, "image_size": 64},  # 4 stages of 16, 8, 4 and 2 patches a side, in windows of 2
+    "levit": {"patch_size": 16},  # its patch embedding is 4 stride-2 convolutions whatever patch_size says
+    "audio-spectrogram-transformer": {"max_length": 32},  # spectrogram frames
+}
 _NO_DROP = ("dropout", "drop_rate", "dropout_rate", "layerdrop", "drop_path_rate", "drop_path", "pdrop")
 _MIN_VOCAB = 64
 
@@ -72,80 +140,110 @@ class ZooModel:
     config_class: str
 
 
-def zoo_models() -> list[ZooModel]:
-    """Every class name of the claimed mappings, once (under the head kind resolve tries first), sorted by name."""
+def zoo_models(kinds: list[str] | None = None) -> list[ZooModel]:
+    """Every class name of the mappings, once (under the first kind that holds it: a text kind before a non-text
+    one), sorted by name; with `kinds`, only the classes of those kinds."""
     found: dict[str, ZooModel] = {}
     configs = configuration_auto.CONFIG_MAPPING_NAMES
     for kind, mapping in HEAD_KINDS.items():
-        for model_type, names in getattr(modeling_auto, mapping).items():
+        for model_type, names in getattr(modeling_auto, mapping, {}).items():
             for name in names if isinstance(names, (tuple, list)) else (names,):
                 if name not in found and model_type in configs:
                     found[name] = ZooModel(name, kind, configs[model_type])
-    return sorted(found.values(), key=lambda model: model.name)
+    chosen = [model for model in found.values() if not kinds or model.kind in kinds]
+    return sorted(chosen, key=lambda model: model.name)
 
 
-def _shrunk(values: dict) -> dict:
-    """A config's `to_dict()` with its sizes shrunk, dropouts off, nested configs shrunk alike."""
+def _tiny_value(key: str, value):
+    """The tiny value of one config attribute, or `value` when it has none."""
+    if value is None:
+        return SIZES["head_dim"] if key == "head_dim" else value
+    if isinstance(value, (int, float)):  # and bool (use_cache, apply_spec_augment)
+        if key in SIZES or key in MEDIA_SIZES:
+            return SIZES.get(key, MEDIA_SIZES.get(key))
+        return min(value, MAX_PATCH) if key == "patch_size" else value
+    if isinstance(value, list) and value and key in _LAYER_LISTS:
+        return _LAYER_LISTS[key](value)
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
+        if key in ("image_size", "patch_size"):
+            return [min(v, IMAGE if key == "image_size" else MAX_PATCH) for v in value]
+        if key in _STAGE_LISTS:
+            return [_STAGE_LISTS[key](v) for v in value]
+    return value
+
+
+def _shrunk(values: dict, token_ids: tuple[int, ...] = (), vlm_text: bool = False) -> dict:
+    """A config's `to_dict()` with its sizes shrunk, dropouts off, nested configs shrunk alike (with `token_ids`, the
+    special token ids of the configs around it, which its vocabulary must hold; `vlm_text`: a VLM's text config)."""
     out = {}
     depth = next((values[key] for key in ("num_hidden_layers", "num_layers", "n_layer") if key in values), None)
+    depth = None if isinstance(values.get("depths"), list) else depth  # per-stage lists (Swin) are not per layer
+    token_ids = (*token_ids, *(v for k, v in values.items() if _is_token_id(k, v)))
     for key, value in values.items():
         if isinstance(value, dict) and ("model_type" in value or "hidden_size" in value):
-            out[key] = _shrunk(value)
-        elif key in SIZES and (value is None or isinstance(value, (int, float, bool))):
-            out[key] = SIZES[key] if value is not None or key == "head_dim" else value
+            out[key] = _shrunk(value, token_ids, vlm_text=key == "text_config" and "vision_config" in values)
         elif isinstance(value, float) and any(part in key for part in _NO_DROP):
             out[key] = 0.0
-        elif isinstance(value, list) and depth and len(value) == depth and depth > 2:
+        elif isinstance(value, list) and depth and len(value) == depth and depth > 2 and key not in _STAGE_LISTS:
             out[key] = value[:2]  # one entry per layer (layer types, per-layer sizes)
         else:
-            out[key] = value
-    token_ids = [v for k, v in out.items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)]
+            out[key] = _tiny_value(key, value)
+    if vlm_text:
+        _shrink_mrope(out)
+    for model_type, sizes in _TYPE_SIZES.items():
+        if model_type in str(values.get("model_type", "")):
+            out.update({key: value for key, value in sizes.items() if key in out})
+    _keep_output_layers(values, out)
+    if isinstance(out.get("depths"), list) and isinstance(out.get("num_layers"), int):
+        out["num_layers"] = len(out["depths"])  # Swin's stages: one per entry of depths
+    if "encoder_stride" in out and "depths" not in out and isinstance(out.get("patch_size"), int):
+        out["encoder_stride"] = out["patch_size"]  # a plain ViT reconstructs masked images at its patch size
     if "vocab_size" in out and isinstance(out["vocab_size"], int):
         out["vocab_size"] = max([_MIN_VOCAB, *(t + 1 for t in token_ids)])
     return out
 
 
+def _shrink_mrope(out: dict) -> None:
+    """The multimodal RoPE sections of a VLM's text config (Qwen2-VL's default: [16, 24, 24] of a head of 128, set
+    in its modeling code), in proportion to the tiny head; other models do not read them."""
+    rope = out.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    heads = out.get("num_attention_heads") or 1
+    head = out.get("head_dim") or (out.get("hidden_size") or WIDTH) // heads
+    half = int(head * rope.get("partial_rotary_factor", out.get("partial_rotary_factor", 1.0)) // 2)
+    sections = rope.get("mrope_section") or [16, 24, 24]
+    tiny = [max(1, round(half * s / sum(sections))) for s in sections]
+    tiny[0] += half - sum(tiny)
+    out["rope_parameters"] = {**rope, "mrope_section": tiny}
+
+
+def _keep_output_layers(values: dict, out: dict) -> None:
+    """A backbone whose stages are its layers ("stage12", `out_indices` [3, 6, 9, 12]) keeps one layer per output
+    stage, and its outputs the last of them, in order."""
+    layers = next((key for key in ("num_hidden_layers", "num_layers") if isinstance(values.get(key), int)), None)
+    for key in ("out_indices", "backbone_out_indices"):
+        indices = out.get(key)
+        if not layers or not isinstance(indices, list) or all(-2 <= i <= out[layers] for i in indices):
+            continue
+        out[layers] = max(out[layers], len(indices))
+        out[key] = [
+            i if i < 0 else out[layers] - len(indices) + n + (key == "out_indices") for n, i in enumerate(indices)
+        ]
+        out.pop("stage_names", None)
+        out.pop("out_features", None)
+
+
+def _is_token_id(key: str, value) -> bool:
+    return key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and not isinstance(value, bool)
+
+
 def build_model(model: ZooModel, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `model`, its weights drawn with `seed`, in float32."""
     config_class = getattr(transformers, model.config_class)
-    config = config_class(**_shrunk(config_class().to_dict()))
+    values = _shrunk(config_class().to_dict())
+    if model.kind == "ctc" and values.get("vocab_size", 0) is None:
+        values["vocab_size"] = _MIN_VOCAB  # the CTC head's size, which the default config leaves to the tokenizer
+    config = config_class(**values)
     torch.manual_seed(seed)
     return getattr(transformers, model.name)(config).float()
-
-
-def _token_ids(config, rows: int, seq: int, g: torch.Generator) -> torch.Tensor:
-    vocab = getattr(config.get_text_config(), "vocab_size", None) or _MIN_VOCAB
-    # Clear of the special tokens (ids 0..3 in most configs), and of the vocabulary's end.
-    return torch.randint(4, min(vocab, _MIN_VOCAB), (rows, seq), generator=g)
-
-
-def rows_for(model: ZooModel, built: torch.nn.Module, seed: int = 1) -> list[dict]:
-    """`ROWS` rows of inputs and labels for the head of `model`, with uneven numbers of items per row."""
-    g = torch.Generator().manual_seed(seed)
-    config = built.config
-    if model.kind == "multiple_choice":
-        ids = _token_ids(config, ROWS * 2, SEQ, g).view(ROWS, 2, SEQ)
-        labels = torch.randint(0, 2, (ROWS,), generator=g)
-        return [{"input_ids": ids[i], "labels": labels[i]} for i in range(ROWS)]
-    ids = _token_ids(config, ROWS, SEQ, g)
-    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long)} for i in range(ROWS)]
-    if model.kind == "question_answering":
-        start, end = torch.randint(0, SEQ, (ROWS,), generator=g), torch.randint(0, SEQ, (ROWS,), generator=g)
-        start[0] = SEQ + 2  # outside the input: ignored
-        for i, row in enumerate(rows):
-            row.update(start_positions=start[i], end_positions=end[i])
-        return rows
-    if model.kind == "sequence_classification":
-        labels = torch.randint(0, config.num_labels, (ROWS,), generator=g)
-    elif model.kind == "token_classification":
-        labels = torch.randint(0, config.num_labels, (ROWS, SEQ), generator=g)
-    elif model.kind == "seq2seq_lm":
-        labels = _token_ids(config, ROWS, SEQ, g)
-    else:
-        labels = ids.clone()
-    if labels.dim() == 2:
-        lengths = torch.tensor([2, SEQ, 5, 7])  # uneven: a wrong average of per-batch means shows
-        labels = labels.masked_fill(torch.arange(SEQ)[None, :] >= lengths[:, None], -100)
-    for i, row in enumerate(rows):
-        row["labels"] = labels[i]
-    return rows

@@ -1,5 +1,6 @@
-"""The examples: examples/train.py trains, saves and reloads; examples/embed.py reads FASTQ/FASTA/text, chunks reads
-and gives the same embeddings from a real 2-process launch as in one process."""
+"""The examples: examples/train.py, image_classification.py and speech_recognition.py train, save and reload;
+examples/embed.py reads FASTQ/FASTA/text, chunks reads and gives the same embeddings from a real 2-process launch as
+in one process."""
 
 import gzip
 import os
@@ -37,6 +38,49 @@ def test_main_example_runs_and_reload_matches(tmp_path):
     accuracy_lines = [line for line in result.output.splitlines() if line.strip().startswith("eval_accuracy")]
     assert accuracy_lines, result.output[-2000:]
     assert float(accuracy_lines[-1].split("=")[1]) >= 0.9
+
+
+# ---- examples/image_classification.py and examples/speech_recognition.py ----
+
+
+def _run_example(tmp_path: Path, name: str) -> tuple[str, Path]:
+    """Run `examples/<name>.py` with its defaults, offline, on the CPU; return its output and its output folder."""
+    out = tmp_path / "run"
+    # One thread: on a shared 2-core machine, two threads per tiny op make these runs several times slower.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **NO_GPUS}
+    script = ROOT / "examples" / f"{name}.py"
+    command = [sys.executable, str(script), "--output_dir", str(out), "--disable_tqdm", "True"]
+    (result,), _ = run_together([command], tmp_path, env)
+    assert "Reload check: from_pretrained gives the same logits" in result.output
+    keys = load_file(out / "model.safetensors").keys()
+    assert not [k for k in keys if k.startswith("module.")]
+    return result.output, out
+
+
+@pytest.mark.slow
+def test_image_classification_example_learns_and_reload_matches(tmp_path):
+    output, out = _run_example(tmp_path, "image_classification")
+    assert f"Saved the model to {out}" in output
+    accuracy_lines = [line for line in output.splitlines() if line.strip().startswith("eval_accuracy")]
+    assert accuracy_lines, output[-2000:]
+    # 3 classes: chance is 1/3; the default run reaches 0.97-1.0.
+    assert float(accuracy_lines[-1].split("=")[1]) >= 0.9
+
+
+@pytest.mark.slow
+def test_speech_recognition_example_loss_falls_and_reload_matches(tmp_path):
+    output, out = _run_example(tmp_path, "speech_recognition")
+    assert f"Saved the model and processor to {out}" in output
+    assert (out / "vocab.json").is_file() and (out / "preprocessor_config.json").is_file()
+    # "Eval loss: 3.2116 before training, 0.0768 after"
+    (eval_line,) = [line for line in output.splitlines() if line.startswith("Eval loss:")]
+    before, after = (float(part.split()[0]) for part in eval_line.removeprefix("Eval loss:").split(","))
+    assert after < 0.5 * before, eval_line
+    # "Train loss: 3.0925 first logged (step 10), 0.0361 last logged (step 250)"
+    (train_line,) = [line for line in output.splitlines() if line.startswith("Train loss:")]
+    first, last = (float(part.split()[0]) for part in train_line.removeprefix("Train loss:").split(","))
+    assert last < first, train_line
+    assert len([line for line in output.splitlines() if line.strip().startswith("truth:")]) == 3
 
 
 # ---- examples/embed.py: reading, chunking, a real launch ----
