@@ -71,7 +71,7 @@ def test_image_classification_example_learns_and_reload_matches(tmp_path):
 def test_speech_recognition_example_loss_falls_and_reload_matches(tmp_path):
     output, out = _run_example(tmp_path, "speech_recognition")
     assert f"Saved the model and processor to {out}" in output
-    assert (out / "vocab.json").is_file() and (out / "preprocessor_config.json").is_file()
+    assert (out / "vocab.json").is_file()  # the script also reloads the processor (Wav2Vec2Processor.from_pretrained)
     # "Eval loss: 3.2116 before training, 0.0768 after"
     (eval_line,) = [line for line in output.splitlines() if line.startswith("Eval loss:")]
     before, after = (float(part.split()[0]) for part in eval_line.removeprefix("Eval loss:").split(","))
