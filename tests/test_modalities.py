@@ -260,3 +260,22 @@ def test_logits_longer_than_the_labels_fall_back_with_the_reason_not_a_crash():
         result = run_case(Case("prefixed", build, lm_rows), GA2, eval_rows=0)
     assert "positions" in log.text and "The loss is left to the Trainer" in log.text, log.text
     assert result.loss is not None and torch.isfinite(torch.tensor(result.loss))
+
+
+@pytest.mark.parametrize("case", ["wav2vec2_ctc_mean", "wav2vec2_ctc_sum", "segformer_segmentation"])
+def test_a_hand_written_loop_is_exact(case):
+    """ExactLoop without an accelerator, 2 micro-batches of uneven rows: the step's loss and gradient."""
+    spec = CASES[case]
+    rows = spec.rows(TRAIN_ROWS, 1)
+    reference = spec.build(0)
+    loss = reference(**default_data_collator(rows)).loss
+    loss.backward()
+    model = spec.build(0)
+    loop = hf_parallel.ExactLoop()
+    batches = [default_data_collator(rows[:3]), default_data_collator(rows[3:])]
+    for step in loop.steps(batches, accumulation_steps=2):
+        for batch in step:
+            step.loss(model, batch).backward()
+        assert step.logged_loss() == pytest.approx(loss.item(), rel=TOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert max_relative_diff(grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}) < TOL
