@@ -36,7 +36,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hf_parallel import Trainer, TrainingArguments, release_distributed
+from hf_parallel import Trainer, TrainingArguments, check_reload, release_distributed
 
 
 @dataclass
@@ -213,31 +213,13 @@ def main() -> None:
     trainer.accelerator.wait_for_everyone()
 
     if trainer.is_world_process_zero():
-        max_diff = check_reload(trainer, training_args.output_dir)
+        max_diff = check_reload(trainer, training_args.output_dir, AutoModelForSequenceClassification)
         print(f"Saved the model and tokenizer to {training_args.output_dir}")
         print(f"Reload check: from_pretrained gives the same logits (max |diff| = {max_diff:.2e}).")
     if torch.distributed.is_initialized():
         # Part together: release the DDP wrapper, then destroy the process group (hf_parallel would do it at exit).
         trainer.accelerator.wait_for_everyone()
         release_distributed()
-
-
-def check_reload(trainer: Trainer, output_dir: str) -> float:
-    """Reload the saved model and compare its logits on the eval set with the trained model's."""
-    reloaded, info = AutoModelForSequenceClassification.from_pretrained(output_dir, output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise RuntimeError(f"The saved checkpoint in {output_dir} does not load cleanly: {bad}")
-    trained = trainer.accelerator.unwrap_model(trainer.model)
-    device = next(trained.parameters()).device
-    reloaded.to(device).eval()
-    trained.eval()
-    batch = next(iter(trainer.get_eval_dataloader()))
-    batch = {k: v.to(device) for k, v in batch.items() if k != "labels"}
-    with torch.no_grad():
-        expected, actual = trained(**batch).logits, reloaded(**batch).logits
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    return (actual - expected).abs().max().item()
 
 
 if __name__ == "__main__":

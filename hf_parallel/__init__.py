@@ -21,6 +21,7 @@ _EXPORTS = {
     "suggest_gpu0_bsz": "data_parallel",
     "unwrap_model": "unwrap",
     "load_state_dict": "checkpoints",
+    "check_reload": "checkpoints",
     "CleanCheckpointCallback": "callbacks",
     "PeakMemoryCallback": "callbacks",
     "Gpu0BszAdvisorCallback": "callbacks",
@@ -46,6 +47,7 @@ __all__ = [
     "suggest_gpu0_bsz",
     "unwrap_model",
     "load_state_dict",
+    "check_reload",
     "CleanCheckpointCallback",
     "PeakMemoryCallback",
     "Gpu0BszAdvisorCallback",
@@ -62,7 +64,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
-    from .checkpoints import load_state_dict
+    from .checkpoints import check_reload, load_state_dict
     from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
     from .loop import ExactLoop, LoopStep

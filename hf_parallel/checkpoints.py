@@ -324,3 +324,42 @@ def load_state_dict(
             f"unexpected keys {_show(unexpected) or 'none'}."
         )
     return LoadResult(missing, unexpected)
+
+
+def check_reload(trainer, output_dir: str, model_class: type | None = None, tolerance: float = 1e-5) -> float:
+    """
+    Reload the model `trainer` saved in `output_dir` with `from_pretrained` and compare its logits on the first
+    evaluation batch with the trained model's; return the largest absolute difference.
+
+    Args:
+        trainer (`transformers.Trainer`): the trainer that saved the model (it has an evaluation dataset).
+        output_dir (`str`): where `trainer.save_model` wrote it.
+        model_class (`type`, *optional*): what loads it (an `AutoModelFor...` class); the trained model's class when
+            `None`.
+        tolerance (`float`, *optional*, defaults to 1e-5): the absolute and relative tolerance of the logits.
+
+    Raises:
+        `RuntimeError`: the checkpoint has missing, unexpected or mismatched keys.
+        `AssertionError`: the reloaded logits differ beyond `tolerance`.
+
+    ```python
+    trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        print(f"max |diff| = {check_reload(trainer, args.output_dir):.2e}")
+    ```
+    """
+    trained = unwrap_model(trainer.model)
+    loader = model_class if model_class is not None else type(trained)
+    reloaded, info = loader.from_pretrained(output_dir, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise RuntimeError(f"The saved checkpoint in {output_dir} does not load cleanly: {bad}")
+    device = next(trained.parameters()).device
+    reloaded.to(device).eval()
+    trained.eval()
+    batch = next(iter(trainer.get_eval_dataloader()))
+    inputs = {k: v.to(device) for k, v in batch.items() if k not in getattr(trainer, "label_names", ["labels"])}
+    with torch.no_grad():
+        expected, actual = trained(**inputs).logits, reloaded(**inputs).logits
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    return (actual - expected).abs().max().item()

@@ -27,6 +27,7 @@ from hf_parallel import (
     ExactDataParallel,
     Trainer,
     TrainingArguments,
+    check_reload,
     load_state_dict,
     unwrap_model,
 )
@@ -290,3 +291,18 @@ def test_user_balanced_wrapper_settings(tmp_path):
         other = training_args(tmp_path, dp_devices=3, **SAVING, gpu0_weight=0.5)
         with pytest.raises(ValueError, match=r"\(gpu0_bsz=1\) but the TrainingArguments set gpu0_weight=0.5"):
             Trainer(model=wrapped, args=other, train_dataset=classification_rows(8))
+
+
+def test_check_reload_compares_the_reloaded_logits(tmp_path):
+    """check_reload: the saved classifier reloads with the same logits; a model changed after saving does not."""
+    trainer = Trainer(
+        model=tiny_bert_classifier(0),
+        args=training_args(tmp_path, per_device_eval_batch_size=4),
+        eval_dataset=classification_rows(4),
+    )
+    trainer.save_model(str(tmp_path / "saved"))
+    assert check_reload(trainer, str(tmp_path / "saved")) == 0.0
+    with torch.no_grad():
+        trainer.model.classifier.bias.add_(1.0)
+    with pytest.raises(AssertionError):
+        check_reload(trainer, str(tmp_path / "saved"))
