@@ -195,7 +195,7 @@ def _named(name: str, config) -> torch.nn.Module:
         ("DPTForDepthEstimation", "scale-invariant"),
         ("ViTForMaskedImageModeling", "masked patches"),
         ("Mask2FormerForUniversalSegmentation", "masks"),
-        ("Wav2Vec2ForAudioFrameClassification", "one-hot"),
+        ("Wav2Vec2ForXVector", "additive-margin"),
     ],
 )
 def test_losses_that_are_not_a_sum_say_why(name, reason):

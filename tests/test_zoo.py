@@ -58,6 +58,8 @@ MEDIA_SAMPLE = {
     "VideoMAEForVideoClassification": ("exact", "exact"),
     "Wav2Vec2ForSequenceClassification": ("exact", "silent"),
     "Wav2Vec2ForCTC": ("exact", "exact"),
+    "Wav2Vec2ForAudioFrameClassification": ("exact", "silent"),
+    "Wav2Vec2ForXVector": ("fallback", "silent"),
     "WhisperForConditionalGeneration": ("exact", "silent"),
     "Speech2TextForConditionalGeneration": ("exact", "silent"),
     "LlavaForConditionalGeneration": ("exact", "exact"),

@@ -11,6 +11,7 @@ from transformers.models.auto import modeling_auto
 
 from .ctc import CTCHead
 from .decoder import LabelsInForwardHead
+from .frames import FrameClassificationHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
 from .segmentation import SegmentationHead
 
@@ -41,6 +42,7 @@ MEDIA_CLASSIFICATION = _class_names(
 )
 CTC = _class_names("MODEL_FOR_CTC_MAPPING_NAMES")
 SEMANTIC_SEGMENTATION = _class_names("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES")
+AUDIO_FRAME_CLASSIFICATION = _class_names("MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES")
 # Language models conditioned on images, audio or video: encoder-decoders (Whisper, Speech2Text, TrOCR and Donut as
 # VisionEncoderDecoderModel) have the seq2seq LM loss, decoders with placeholder positions (LLaVA, Qwen2-VL,
 # Voxtral, ...) the causal LM loss over every position the labels do not ignore.
@@ -65,7 +67,6 @@ NOT_A_SUM = {
     "model may draw itself), which the logits do not give per item",
     "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES": "is contrastive: each row's loss depends on every "
     "other row of its batch",
-    "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES": "takes its targets as one-hot frames",
     "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES": "is an additive-margin softmax of speaker embeddings",
     "MODEL_FOR_PRETRAINING_MAPPING_NAMES": "adds pre-training objectives the logits do not carry",
 }
@@ -147,6 +148,12 @@ def _segmentation(name: str, model, labels, smoothing: float) -> LossHead:
     return SegmentationHead(ignore_index=ignore)
 
 
+def _frames(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s frame labels.")
+    return FrameClassificationHead()
+
+
 def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
     if getattr(model.config, "is_encoder_decoder", False):
         return _seq2seq_lm(name, model, labels, smoothing)
@@ -199,6 +206,7 @@ HEAD_FAMILIES: tuple[HeadFamily, ...] = (
     HeadFamily(MEDIA_CLASSIFICATION, _sequence_classification),
     HeadFamily(CTC, _ctc),
     HeadFamily(SEMANTIC_SEGMENTATION, _segmentation),
+    HeadFamily(AUDIO_FRAME_CLASSIFICATION, _frames),
     HeadFamily(MULTIMODAL_LM, _multimodal_lm),
     *(HeadFamily(_class_names(mapping), _not_a_sum(reason)) for mapping, reason in NOT_A_SUM.items()),
 )
