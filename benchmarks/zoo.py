@@ -5,7 +5,7 @@ tiny from its config class (`benchmarks.zoo_models`) with four rows of inputs ma
 one optimizer step of 2 rows x gradient accumulation 2 against the model's own loss and gradient on the same 4 rows
 in one forward; hf_parallel's Trainer and stock `transformers.Trainer` side by side.
 
-    python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (~35 minutes on 2 busy cores)
+    python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (13 min on 2 quiet cores, 35 on busy)
     python -m benchmarks.zoo --kinds ctc speech_seq2seq     # only these kinds (all 16 non-text ones: 11 minutes)
     python -m benchmarks.zoo --shard 0/4                    # a quarter of it
     python -m benchmarks.zoo --classes BartForCausalLM ProphetNetForCausalLM

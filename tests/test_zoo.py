@@ -84,7 +84,7 @@ def test_a_sample_of_the_non_text_zoo_is_exact_or_warned(name):
     assert (outcome.ours, outcome.stock) == MEDIA_SAMPLE[name], outcome
 
 
-@pytest.mark.full  # the whole zoo: about 35 minutes on 2 cores (or python -m benchmarks.zoo --shard i/12)
+@pytest.mark.full  # the whole zoo: 15 to 35 minutes on 2 cores (or python -m benchmarks.zoo --shard i/12)
 def test_the_whole_zoo_has_no_silent_difference_and_no_crash():
     outcomes = [check_model(model) for model in ZOO.values()]
     bad = [outcome for outcome in outcomes if outcome.ours in ("silent", "crash")]

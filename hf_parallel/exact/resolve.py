@@ -208,6 +208,8 @@ HEAD_FAMILIES: tuple[HeadFamily, ...] = (
     HeadFamily(SEMANTIC_SEGMENTATION, _segmentation),
     HeadFamily(AUDIO_FRAME_CLASSIFICATION, _frames),
     HeadFamily(MULTIMODAL_LM, _multimodal_lm),
+    # Decoders in the seq2seq mapping (AudioFlamingo3, MusicFlamingo: audio placeholders, then text): a causal LM.
+    HeadFamily(SEQ2SEQ_LM, _multimodal_lm, encoder_decoder=False),
     *(HeadFamily(_class_names(mapping), _not_a_sum(reason)) for mapping, reason in NOT_A_SUM.items()),
 )
 
