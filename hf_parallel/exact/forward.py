@@ -141,7 +141,7 @@ def micro_batch_loss(
     run.keep = return_outputs and (exact.outputs_wanted or not data_parallel)
     run.drop_cache = data_parallel
     # Which decoder inputs the model builds itself; what it passes to its own loss function (CTC's logit lengths).
-    with exact.watching_decoder(check, model, inputs), watching_loss_call(head, exact.unwrap(model)) as loss_call:
+    with exact.watching_decoder(check, model, inputs), watching_loss_call(head, model, exact.unwrap) as loss_call:
         run.loss_call = loss_call
         if not data_parallel:
             terms, outputs = run(model, inputs, labels)
@@ -251,11 +251,15 @@ def model_labels(labels: dict) -> dict:
 
 
 @contextlib.contextmanager
-def watching_loss_call(head: LossHead | None, model: nn.Module):
-    """Around a forward of `head` (a `LossCallWatch` on `model`, unwrapped, where the head needs the arguments of the
-    model's own loss call); yields the watch, or None."""
+def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable = _as_is):
+    """Around a forward of `head`: a `LossCallWatch` on `model` (taken out of its wrappers by `unwrap`, only then)
+    where the head needs the arguments of the model's own loss call; yields the watch, or None."""
     names = getattr(head, "loss_call_arguments", ())
-    if not names or head.route is Route.USER_LOSS or not hasattr(model, "loss_function"):
+    if not names or head.route is Route.USER_LOSS:
+        yield None
+        return
+    model = unwrap(model)
+    if not hasattr(model, "loss_function"):
         yield None
         return
     watch = LossCallWatch(model, names)
