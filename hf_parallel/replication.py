@@ -35,23 +35,26 @@ __all__ = ["install_output_hooks", "replicate_with_routing"]
 def install_output_hooks(module: nn.Module) -> None:
     """
     Install transformers' output-recording hooks on the outermost transformers models inside `module` (each installs
-    those of the models within it), unless a forward installed them already; nothing on releases without them.
+    those of the models within it), unless a forward installed them already; nothing on releases without them. Each
+    model is looked at once (it is then marked), so a replication walks only the wrappers above the models.
     """
     try:
         from transformers import PreTrainedModel
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # transformers 4 returns hidden states without hooks
         return
-    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    if any(getattr(m, "_output_capturing_hooks_installed", False) for m in models):
-        return  # installed by a forward (installing again from the top would add each hook twice)
 
     def outermost(node: nn.Module) -> None:
-        if isinstance(node, PreTrainedModel):
-            maybe_install_capturing_hooks(node)
+        if not isinstance(node, PreTrainedModel):
+            for child in node.children():
+                outermost(child)
             return
-        for child in node.children():
-            outermost(child)
+        if getattr(node, "_hf_parallel_output_hooks", False):
+            return
+        # Installed by a forward already (on the models it decorates): installing from the top would add each twice.
+        if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in node.modules()):
+            maybe_install_capturing_hooks(node)
+        node._hf_parallel_output_hooks = True
 
     outermost(module)
 
