@@ -27,14 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import MixtralConfig, MixtralForCausalLM
 
 from hf_parallel import BalancedDataParallel, ExactLoop
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 from tests.heads import llama
 from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import run_together
-from tests.tiny import TinyRegressor, classification_rows, tiny, tiny_bert_classifier
+from tests.tiny import TinyRegressor, classification_rows, tiny_bert_classifier
 
 KINDS = ("cls", "lm")  # a tiny BERT sequence classifier; a tiny Llama causal LM with uneven valid tokens
 MODEL_CLASS = {"cls": "BertForSequenceClassification", "lm": "LlamaForCausalLM"}
@@ -426,25 +425,10 @@ def _regression_rows() -> list[dict]:
     return [{"x": torch.randn(4, generator=g), "labels": torch.randn(3, generator=g)} for _ in range(8)]
 
 
-def _router_model() -> MixtralForCausalLM:
-    torch.manual_seed(0)
-    # A router auxiliary loss the logits do not carry (output_router_logits).
-    config = tiny(
-        MixtralConfig,
-        vocab_size=VOCAB,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        output_router_logits=True,
-        use_cache=True,
-    )
-    return MixtralForCausalLM(config)
-
-
 FALLBACKS = {
     # name: (model, rows, the warning's reason, wrapped in nn.DataParallel on 2 emulated devices)
     "dict-returning nn.Module": (TinyRegressor, _regression_rows, "TinyRegressor has no `config`", False),
     "dict-returning nn.Module in DataParallel": (TinyRegressor, _regression_rows, "has no `config`", True),
-    "router auxiliary loss": (_router_model, lambda: train_rows("lm")[:8], "output_router_logits=True", False),
 }
 
 

@@ -80,6 +80,7 @@ def can_use_model_loss(head: LossHead | None, model: nn.Module) -> bool:
         and head.per_position
         and not head.smoothing
         and head.route is not Route.USER_LOSS
+        and head.router is None  # the model's loss adds a router term of its own rows only
         and accepts_item_count(model)
     )
 
@@ -200,6 +201,7 @@ def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
         and loss.requires_grad
         and loss.dtype in (torch.float32, torch.float64)
         and head.num_terms == 1
+        and head.router is None  # the model's loss adds a router term: not a multiple of the head's sum
         and compared_head(head) is head
     )
 
@@ -213,6 +215,7 @@ def replica_check(
     gradient_from_loss: bool = False,
     decoder: torch.Tensor | None = None,
     on_mismatch: Callable[[str], None] | None = None,
+    router: torch.Tensor | None = None,
 ) -> ReplicaCheck:
     """
     What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`.
@@ -228,6 +231,8 @@ def replica_check(
         decoder (`torch.Tensor`, *optional*): `[1, 1]`, whether the model built the decoder inputs the labels give.
         on_mismatch (`Callable`, *optional*): told why a candidate could not be computed from these outputs
             (`HeadMismatch`: it then does not fit).
+        router (`torch.Tensor`, *optional*): the router term a MoE model adds to its loss on these rows
+            (`hf_parallel.exact.router`), added to every candidate's.
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
@@ -263,7 +268,8 @@ def replica_check(
         if not has_logits:
             honours[0, 0] = _honours_by_gradient(loss, count)
         else:
-            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched)
+            extra = float(router) if router is not None else 0.0
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched, extra)
         mean = loss
         if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
             mean = loss * (n / max(int(first[1].sum()), 1))
@@ -312,12 +318,14 @@ def _graph_sums(terms: list[SampleTerms], loss, divisors: list[float | None], ze
     return torch.stack(values).reshape(1, -1)
 
 
-def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors, mismatched) -> float:
+def _compare(
+    candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors, mismatched, extra: float = 0.0
+) -> float:
     """
     Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given; 0 for one
     `mismatched` with the outputs), what the loss divided each fitting candidate's sum by in `divisors`, and the first
     candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing fitted or no
-    count was given).
+    count was given). `extra`, the router term of a MoE model, is added to every candidate's loss.
     """
     reference = loss.detach().double()
     divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
@@ -328,7 +336,7 @@ def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, lo
             fits[0, k] = 0.0
             continue
         sums, counts = sums.detach().sum(0).double(), counts.sum(0)
-        value = candidate.combine(sums, counts)
+        value = candidate.combine(sums, counts) + extra
         if k == 0:
             losses[0, 1] = value
         if bool(counts.eq(0).any()) or not bool(torch.isfinite(reference)):
@@ -336,7 +344,7 @@ def _compare(candidates, terms_of, loss: torch.Tensor, n: float | None, fits, lo
         bound = tolerance(loss.dtype) * reference.abs() + 1e-7
         as_mean = bool((value - reference).abs() <= bound)
         # Only per-position cross-entropies are given a count: one term, its sum / N.
-        as_sum = n is not None and bool((sums.sum() / n - reference).abs() <= bound)
+        as_sum = n is not None and bool((sums.sum() / n + extra - reference).abs() <= bound)
         fits[0, k] = float(as_mean or as_sum)
         if as_sum or as_mean:
             divided.append(as_sum)

@@ -261,15 +261,37 @@ class ExactLoss:
             return terms.user_loss.sum() * (step.scale if step is not None else 1)
         row_sums, row_counts = terms.sums, terms.counts
         if step is not None:
-            return head.combine(row_sums.sum(0), step.counts) * step.scale
+            loss = head.combine(row_sums.sum(0), step.counts) * step.scale
+            return loss if terms.router is None else loss + self.router_loss(head, terms.router.sum(0), step)
         if self._eval_totals is not None:
             if head.route is Route.MODEL_LOSS:
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
                 self._eval_totals.add(head, *self.sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
-            else:
+            elif terms.router is None:
                 # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
                 self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
-        return head.combine(row_sums.sum(0), row_counts.sum(0))
+            else:
+                sums, counts, router = self.gather_rows((row_sums.detach(), row_counts, terms.router.detach()))
+                self._eval_totals.add(head, sums, counts, router)
+        loss = head.combine(row_sums.sum(0), row_counts.sum(0))
+        return loss if terms.router is None else loss + head.router.loss(terms.router.sum(0))
+
+    def router_loss(self, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
+        """
+        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.router`): over the micro-batch of
+        every replica and rank (T and n added over ranks: one collective), scaled like the head's sums, and averaged
+        over the step's micro-batches, which gradient accumulation cannot put in one batch (warned once).
+        """
+        everyone = self.reduce_sum(head.router.shared(own)) if self.num_processes > 1 else None
+        if step.micro_batches > 1:
+            self.warn_once(
+                "exact_loss: the router auxiliary loss of a mixture-of-experts model is taken over each micro-batch "
+                f"of every device, and averaged over the {step.micro_batches} micro-batches of a step (gradient "
+                "accumulation runs them one after another, so no micro-batch's term can see the routing of the "
+                "others; stock adds them up). The cross-entropy is exact over the whole step. For a router loss "
+                "over the whole step, use a larger per-device batch instead of gradient accumulation."
+            )
+        return head.router.loss(own, everyone) * (step.scale / step.micro_batches)
 
     def sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""

@@ -39,14 +39,20 @@ class StepCounts:
 
 
 class EvalTotals:
-    """Running sums of per-row loss sums and item counts over an evaluation set; `value()` divides once."""
+    """
+    Running sums of per-row loss sums and item counts over an evaluation set, and of a MoE model's router statistics;
+    `value()` divides once.
+    """
 
     def __init__(self):
         self.head: LossHead | None = None
         self.sums: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
+        self.router: torch.Tensor | None = None
 
-    def add(self, head: LossHead, row_sums: torch.Tensor, row_counts: torch.Tensor) -> None:
+    def add(
+        self, head: LossHead, row_sums: torch.Tensor, row_counts: torch.Tensor, router: torch.Tensor | None = None
+    ) -> None:
         """Add the rows of one batch (already gathered from all ranks, duplicates dropped)."""
         self.head = head
         sums, counts = row_sums.detach().double().sum(0), row_counts.detach().sum(0)
@@ -54,11 +60,17 @@ class EvalTotals:
             self.sums, self.counts = sums, counts
         else:
             self.sums, self.counts = self.sums + sums.to(self.sums.device), self.counts + counts.to(self.counts.device)
+        if router is not None:
+            router = router.detach().double().sum(0)
+            self.router = router if self.router is None else self.router + router.to(self.router.device)
 
     def value(self) -> float | None:
         if self.sums is None:
             return None
-        return self.head.combine(self.sums, self.counts).item()
+        value = self.head.combine(self.sums, self.counts)
+        if self.router is not None and self.head.router is not None:
+            value = value + self.head.router.loss(self.router)  # the router term of the whole set, as one forward
+        return value.item()
 
 
 def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | None:

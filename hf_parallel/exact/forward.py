@@ -91,12 +91,15 @@ class Terms(NamedTuple):
         counts (`torch.Tensor`, *optional*): `[samples, terms]` item counts.
         user_loss (`torch.Tensor`, *optional*): `[1]`, the user loss (divided by the whole count already).
         check (`ReplicaCheck`, *optional*): what a checked forward says of the candidate heads.
+        router (`torch.Tensor`, *optional*): `[samples, 2E + 1]`, a MoE model's router statistics
+            (`hf_parallel.exact.router`): one row per forward in training, per sample in evaluation.
     """
 
     sums: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     user_loss: torch.Tensor | None = None
     check: ReplicaCheck | None = None
+    router: torch.Tensor | None = None
 
 
 def micro_batch_loss(
@@ -203,8 +206,10 @@ class _Forward:
             # A checked forward whose gradient comes from the model's own loss computes the head only to compare.
             from_loss = self.check is not None and self.loss_func is None and takes_gradient_from_loss(head, outputs)
             try:
+                router = router_terms(head, outputs, labels, inputs, exact.evaluating)
                 with torch.no_grad() if from_loss else contextlib.nullcontext():
                     terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
+                terms = terms._replace(router=router)
             except HeadMismatch:
                 if self.check is None:
                     raise
@@ -333,6 +338,24 @@ def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample
     return sums.unsqueeze(-1), counts.unsqueeze(-1)
 
 
+def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> torch.Tensor | None:
+    """
+    A MoE model's router statistics on this forward's rows (`hf_parallel.exact.router`), the padding rows of an
+    epoch's last step left out: `[1, 2E + 1]` in training, `[rows, 2E + 1]` where `per_sample` (evaluation); None
+    for a head without a router, or outputs without router logits.
+    """
+    if head.router is None:
+        return None
+    rows = next(iter(model_labels(labels).values())).shape[0]
+    stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
+    if stats is None:
+        return None
+    real = labels.get(REAL_ROWS_KEY)
+    if real is not None:
+        stats = stats.where(row_mask(rows, real, stats.device).reshape(-1, 1), 0)
+    return stats if per_sample else stats.sum(0, keepdim=True)
+
+
 def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
     """
     In a checked forward (in a DataParallel replica: for its rows), what it says of `candidates` (`replica_check`),
@@ -346,7 +369,11 @@ def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=
 
     known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
     decoder = exact.check.decoder_vote(labels)
-    return replica_check(candidates, outputs, terms_of, known, count, from_loss, decoder, exact.check.note_mismatch)
+    # The model's loss adds its router term on these rows: so does every candidate's.
+    router = candidates[0].router.loss(terms.router.detach().sum(0)) if terms.router is not None else None
+    return replica_check(
+        candidates, outputs, terms_of, known, count, from_loss, decoder, exact.check.note_mismatch, router
+    )
 
 
 def chosen_terms(terms: Terms, index: int) -> Terms:

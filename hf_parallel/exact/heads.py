@@ -149,6 +149,9 @@ class LossHead:
     #: The arguments of the model's own `loss_function` call the head needs (e.g. CTC's `logit_lengths`): the labels
     #: then stay in the forward, and `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`.
     loss_call_arguments: tuple[str, ...] = ()
+    #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
+    #: exact over the whole batch by `hf_parallel.exact.router`; None for a model without one.
+    router = None
 
     def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
         self.label_keys = tuple(label_keys)

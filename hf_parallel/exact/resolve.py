@@ -13,6 +13,7 @@ from .ctc import CTCHead
 from .decoder import LabelsInForwardHead
 from .frames import FrameClassificationHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
+from .router import router_balance_of
 from .segmentation import SegmentationHead
 
 __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
@@ -239,6 +240,11 @@ def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
     return model.get_base_model(), peft_type if virtual else None
 
 
+def _returns_router_logits(config) -> bool:
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return bool(getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
+
+
 def _class_name(model: nn.Module) -> str:
     """The model's class name; under FSDP2, that of the class `fully_shard` derived `FSDP<Name>` from."""
     cls = type(model)
@@ -283,11 +289,16 @@ def resolve_head(
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedHead(f"{name} has no `config`: not a transformers model with a known head.")
-    if getattr(config, "output_router_logits", False):
-        raise UnsupportedHead(
-            f"{name} adds a router auxiliary loss (config.output_router_logits=True) that the logits do not carry."
-        )
     head = _head_by_class(model, sample_labels, label_smoothing)
+    if head.shift and _returns_router_logits(config):
+        # A MoE LM adds its router's load-balancing loss to the cross-entropy (the check confirms it).
+        router = router_balance_of(model)
+        if router is None:
+            raise UnsupportedHead(
+                f"{name} returns its router logits (output_router_logits=True), but its number of experts, experts "
+                "per token or router_aux_loss_coef cannot be read from it or its config."
+            )
+        head.router = router
     if virtual_tokens is not None and getattr(head, "per_position", False) and not head.builds_decoder_inputs:
         raise UnsupportedHead(
             f"the {virtual_tokens} adapter on {name} prepends virtual tokens, so the logits have more positions "
