@@ -117,8 +117,8 @@ def main() -> None:
                 ours = run_ddp([case], DDP2, tmp, **extra)[case]
             row(label, reference, stock, ours)
             print(
-                f"{'':<42} stock trains in {stock['wrapped']} (ranks {stock['max_rank_param_diff']:.1e} apart), "
-                f"hf_parallel in {ours['wrapped']} ({ours['max_rank_param_diff']:.1e} apart)"
+                f"{'':<42} stock trains in {stock.wrapped} (ranks {stock.max_rank_param_diff:.1e} apart), "
+                f"hf_parallel in {ours.wrapped} ({ours.max_rank_param_diff:.1e} apart)"
             )
         epoch_remainder()
 

@@ -14,9 +14,43 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 
 from tests.harness import TRAIN_ROWS, Topology, run_case
 from tests.heads import SEQ, Case, llama, lm_rows
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes gathered on the output device by the first step (which also checks the head) and by the second."""
+
+    first: int
+    later: int
+    split: list[int]  # rows per device, GPU 0 first
+
+
+def configurations(devices: int) -> dict[str, tuple[Topology, bool]]:
+    """Label -> (topology, stock) of the compared runs: stock, then hf_parallel even and with `gpu0_bsz` 0 and 1."""
+    even = Topology(f"DP {devices}", per_device=-(-TRAIN_ROWS // devices), dp_devices=devices)
+    return {
+        "stock transformers.Trainer": (even, True),
+        "hf_parallel, even split": (even, False),
+        "hf_parallel, gpu0_bsz=0": (dataclasses.replace(even, gpu0_bsz=0), False),
+        "hf_parallel, gpu0_bsz=1": (dataclasses.replace(even, gpu0_bsz=1), False),
+    }
+
+
+def step_bytes(vocab_size: int, topology: Topology, stock: bool) -> StepBytes:
+    """The bytes of a causal LM's first and second DataParallel steps (a 2-step run less a 1-step run)."""
+    case = Case("llama_wide", lambda seed: llama(seed, vocab_size=vocab_size), lm_rows)
+    batch = topology.per_device * topology.dp_devices
+    first = run_case(case, topology, stock=stock, eval_rows=0, train_rows=2 * batch).emulation
+    both = run_case(case, topology, stock=stock, eval_rows=0, train_rows=2 * batch, max_steps=2).emulation
+    rows = dict.fromkeys(range(topology.dp_devices), 0) | dict(
+        zip(both.replica_devices, both.chunk_sizes[0], strict=False)
+    )
+    step_one = sum(first.gathered_bytes)
+    return StepBytes(step_one, sum(both.gathered_bytes) - step_one, list(rows.values()))
 
 
 def main(argv=None) -> None:
@@ -25,35 +59,19 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, default=3)
     args = parser.parse_args(argv)
     n = args.devices
-    case = Case("llama_wide", lambda seed: llama(seed, vocab_size=args.vocab_size), lm_rows)
-    per_device = -(-TRAIN_ROWS // n)
-    batch = per_device * n
-    even = Topology(f"DP {n}", per_device=per_device, dp_devices=n)
-    configurations = {
-        "stock transformers.Trainer": (even, True),
-        "hf_parallel, even split": (even, False),
-        "hf_parallel, gpu0_bsz=0": (dataclasses.replace(even, gpu0_bsz=0), False),
-        "hf_parallel, gpu0_bsz=1": (dataclasses.replace(even, gpu0_bsz=1), False),
-    }
+    batch = -(-TRAIN_ROWS // n) * n
     logits = batch * SEQ * args.vocab_size * 4
     print(f"{batch} rows x {SEQ} tokens per step, vocabulary {args.vocab_size}, {n} emulated devices")
     print(f"the batch's fp32 logits: {logits:,} bytes")
     stock = None
-    for label, (topology, is_stock) in configurations.items():
+    for label, (topology, is_stock) in configurations(n).items():
         # The first step also checks the head against the model's own loss (its terms travel too): measure the
         # second step, as the difference between a 2-step and a 1-step run.
-        first = run_case(case, topology, stock=is_stock, eval_rows=0, train_rows=2 * batch).emulation
-        both = run_case(case, topology, stock=is_stock, eval_rows=0, train_rows=2 * batch, max_steps=2)
-        emulation = both.emulation
-        step_one, later = sum(first.gathered_bytes), sum(emulation.gathered_bytes) - sum(first.gathered_bytes)
-        stock = later if stock is None else stock
-        rows = dict.fromkeys(range(n), 0) | dict(
-            zip(emulation.replica_devices, emulation.chunk_sizes[0], strict=False)
-        )
-        split = str(list(rows.values()))
+        measured = step_bytes(args.vocab_size, topology, is_stock)
+        stock = measured.later if stock is None else stock
         print(
-            f"{label:<28} rows per device {split:<10} step 1: {step_one:>10,} bytes, step 2: {later:>10,} bytes "
-            f"(x{later / stock:.5f} of stock)"
+            f"{label:<28} rows per device {str(measured.split):<10} step 1: {measured.first:>10,} bytes, "
+            f"step 2: {measured.later:>10,} bytes (x{measured.later / stock:.5f} of stock)"
         )
 
 
