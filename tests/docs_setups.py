@@ -1,0 +1,70 @@
+"""
+What the docs' code blocks take as given (`model`, `train_ds`, ...), by setup name (tests/docs_blocks.py): tiny
+models built from configs and rows made in code, as every test uses. Each setup gets an ExitStack for what it must
+undo, and the page's working folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.heads import CASES, lm_rows, seq2seq_rows
+from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
+
+
+def classifier(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """A tiny BERT classifier (vocabulary 50, 2 labels) and 16 training / 8 evaluation rows of 8 tokens."""
+    train = classification_rows(16, seed=0)
+    return dict(model=tiny_bert_classifier(0), train_ds=train, ds=train, eval_ds=classification_rows(8, seed=1))
+
+
+def causal_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """A tiny Llama, its rows (`train_ds`), the same as a `datasets.Dataset` of token ids (`ds`) and a tokenizer."""
+    import datasets
+
+    from examples.train import word_tokenizer
+
+    rows = lm_rows(8, 1)
+    texts = datasets.Dataset.from_list(
+        [{"input_ids": r["input_ids"][r["attention_mask"].bool()].tolist()} for r in rows]
+    )
+    return dict(model=CASES["llama_causal_lm"].build(0), train_ds=ListDataset(rows), ds=texts, tok=word_tokenizer())
+
+
+def seq2seq(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """A tiny BART and its training and evaluation rows."""
+    return dict(
+        seq2seq_model=CASES["bart_seq2seq"].build(0),
+        seq2seq_train=ListDataset(seq2seq_rows(8, 1)),
+        seq2seq_eval=ListDataset(seq2seq_rows(5, 2)),
+    )
+
+
+def ddp_loop(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """A tiny Llama in DistributedDataParallel over a one-process gloo group, its dataloader and an optimizer."""
+    store = dist.FileStore(str(workdir / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    stack.callback(dist.destroy_process_group)
+    model = CASES["llama_causal_lm"].build(0)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    loader = torch.utils.data.DataLoader(ListDataset(lm_rows(8, 1)), batch_size=2)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    return dict(ddp_model=ddp_model, train_dataloader=loader, optimizer=optimizer, device=torch.device("cpu"))
+
+
+def masked_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """examples/embed.py's tiny masked LM and character tokenizer, and 6 tokenized DNA reads."""
+    from examples import embed
+
+    tokenizer = embed.char_tokenizer()
+    reads = ["ACGTACGTAA", "CCGGTTA", "ACGT", "TTTTACGGACGT", "GATTACA", "ACGTACGTACGTAC"]
+    encoded = tokenizer(reads)
+    rows = [{key: encoded[key][i] for key in ("input_ids", "attention_mask")} for i in range(len(reads))]
+    return dict(model=embed.tiny_masked_lm(tokenizer, max_length=40, seed=0), tokenizer=tokenizer, tokenized_rows=rows)
+
+
+SETUPS = {setup.__name__: setup for setup in (classifier, causal_lm, seq2seq, ddp_loop, masked_lm)}
