@@ -3,12 +3,14 @@ The model zoo: every class name of the auto mappings hf_parallel claims a head f
 text ones and the non-text ones (images, video, audio, vision-language: `benchmarks.zoo_models.HEAD_KINDS`), built
 tiny from its config class (`benchmarks.zoo_models`) with four rows of inputs made in code (`benchmarks.zoo_inputs`),
 one optimizer step of 2 rows x gradient accumulation 2 against the model's own loss and gradient on the same 4 rows
-in one forward; hf_parallel's Trainer and stock `transformers.Trainer` side by side.
+in one forward; hf_parallel's Trainer and stock `transformers.Trainer` side by side. Mixture-of-experts causal LMs
+run a second time with their router loss on (`moe_causal_lm`), in one step of DataParallel over 2 emulated devices.
 
     python -m benchmarks.zoo 2>/dev/null                    # the whole zoo (13 min on 2 quiet cores, 35 on busy)
     python -m benchmarks.zoo --kinds ctc speech_seq2seq     # only these kinds (all 16 non-text ones: 11 minutes)
     python -m benchmarks.zoo --shard 0/4                    # a quarter of it
     python -m benchmarks.zoo --classes BartForCausalLM ProphetNetForCausalLM
+    python -m benchmarks.zoo --kinds moe_causal_lm zero_shot_image_classification   # the batch-coupled losses
 
 A class whose tiny model, rows and own loss take over `BUILD_SECONDS` to make is unbuildable ("too slow").
 
@@ -42,7 +44,8 @@ import transformers
 
 import hf_parallel
 from benchmarks.zoo_inputs import collate, rows_for
-from benchmarks.zoo_models import HEAD_KINDS, ZooModel, build_model, zoo_models
+from benchmarks.zoo_models import HEAD_KINDS, ROUTER_KIND, ZooModel, build_model, zoo_models
+from hf_parallel.testing import simulate_data_parallel, simulated_training_args
 
 __all__ = ["Outcome", "OUTCOMES", "check_model", "main"]
 
@@ -70,6 +73,9 @@ STEP = dict(
     remove_unused_columns=False,
     include_num_input_tokens_seen="no",
 )
+# The step of a MoE model with its router loss on: DataParallel over 2 emulated devices, 2 rows each.
+DP_DEVICES = 2
+DP_STEP = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1)
 
 
 @dataclass
@@ -136,23 +142,36 @@ def batch_dependent(model: torch.nn.Module, rows: list[dict]) -> bool:
     with torch.no_grad():
         whole = model(**collate(rows))
         part = model(**collate(rows[:2]))
-    key = next(k for k, v in whole.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim())
+    # A contrastive model's logits score each row against the whole batch by design: its embeddings must not move.
+    key = "text_embeds" if "text_embeds" in whole else None
+    key = key or next(k for k, v in whole.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim())
     a, b = whole[key][:2].float(), part[key].float()
     return a.shape != b.shape or bool((a - b).abs().max() > TOL * max(a.abs().max().item(), 1.0))
 
 
-def train_step(model: torch.nn.Module, rows: list[dict], stock: bool) -> tuple[float, dict, list[str]]:
-    """One GA-2 step of hf_parallel's (or stock's) Trainer: its logged loss, gradient and hf_parallel's warnings."""
+def train_step(
+    model: torch.nn.Module, rows: list[dict], stock: bool, data_parallel: bool = False
+) -> tuple[float, dict, list[str]]:
+    """
+    One GA-2 step of hf_parallel's (or stock's) Trainer: its logged loss, gradient and hf_parallel's warnings. With
+    `data_parallel`, one step of torch's DataParallel on 2 emulated devices instead (2 rows each, no accumulation): a
+    MoE model's router loss is exact over the devices of a step, not over its accumulated micro-batches.
+    """
     trainer_cls, args_cls = (
         (transformers.Trainer, transformers.TrainingArguments)
         if stock
         else (hf_parallel.Trainer, hf_parallel.TrainingArguments)
     )
     capture = _Capture()
-    with tempfile.TemporaryDirectory() as tmp, _hf_parallel_warnings() as log:
+    emulation = simulate_data_parallel(DP_DEVICES) if data_parallel else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, _hf_parallel_warnings() as log, emulation:
+        if data_parallel:
+            args = simulated_training_args(DP_DEVICES, args_cls, output_dir=tmp, **{**STEP, **DP_STEP})
+        else:
+            args = args_cls(output_dir=tmp, **STEP)
         trainer = trainer_cls(
             model=copy.deepcopy(model),
-            args=args_cls(output_dir=tmp, **STEP),
+            args=args,
             train_dataset=hf_parallel_rows(rows),
             data_collator=collate,
             callbacks=[capture],
@@ -226,12 +245,13 @@ def check_model(zoo_model: ZooModel, build_seconds: float = BUILD_SECONDS) -> Ou
             model, rows, ref_loss, ref_grads = _build(zoo_model)
     except Exception as error:
         return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "unbuildable", _one_line(error))
-    stock_trained = _attempt(train_step, model, rows, True)
+    data_parallel = zoo_model.kind == ROUTER_KIND
+    stock_trained = _attempt(train_step, model, rows, True, data_parallel)
     stock, stock_reason = _judge(stock_trained, ref_loss, ref_grads)
     if stock == "silent" and abs(stock_trained[0] - ref_loss) <= TOL * max(abs(ref_loss), 1e-6):
         stock, stock_reason = _second_look(model, rows, ref_grads, stock_trained[1], stock_reason)
         stock = "silent" if stock == "unbuildable" else stock  # the column of stock has no such outcome
-    trained = _attempt(train_step, model, rows, False)
+    trained = _attempt(train_step, model, rows, False, data_parallel)
     ours, reason = _judge(trained, ref_loss, ref_grads)
     if ours == "silent" and abs(trained[0] - ref_loss) <= TOL * max(abs(ref_loss), 1e-6):
         ours, reason = _second_look(model, rows, ref_grads, trained[1], reason)
@@ -319,7 +339,9 @@ def report(outcomes: list[Outcome]) -> str:
 def main(argv: list[str] | None = None) -> list[Outcome]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", nargs="*", help="only these class names")
-    parser.add_argument("--kinds", nargs="*", choices=list(HEAD_KINDS), help="only the classes of these kinds")
+    parser.add_argument(
+        "--kinds", nargs="*", choices=[*HEAD_KINDS, ROUTER_KIND], help="only the classes of these kinds"
+    )
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th class from the i-th")
     args = parser.parse_args(argv)
     index, count = (int(part) for part in args.shard.split("/"))

@@ -396,6 +396,7 @@ MODALITIES = {
             "masked_lm",
             "token_classification",
             "multiple_choice",
+            "moe_causal_lm",
         ),
         text_rows,
     ),

@@ -18,7 +18,9 @@ import torch
 import transformers
 from transformers.models.auto import configuration_auto, modeling_auto
 
-__all__ = ["HEAD_KINDS", "MEDIA_KINDS", "TEXT_KINDS", "ZooModel", "build_model", "zoo_models"]
+from hf_parallel.exact.router import text_config
+
+__all__ = ["HEAD_KINDS", "MEDIA_KINDS", "ROUTER_KIND", "TEXT_KINDS", "ZooModel", "build_model", "zoo_models"]
 
 #: The text mappings of `hf_parallel.exact.resolve`, by the head kind they give, in its order of precedence.
 TEXT_KINDS = {
@@ -51,6 +53,9 @@ MEDIA_KINDS = {
     "zero_shot_image_classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
 HEAD_KINDS = {**TEXT_KINDS, **MEDIA_KINDS}
+#: Mixture-of-experts causal LMs (a config with `output_router_logits`), built with their router loss on: each class
+#: of the causal LM mapping that has one is run a second time as this kind.
+ROUTER_KIND = "moe_causal_lm"
 
 NUM_LABELS = 3
 WIDTH = 32
@@ -62,7 +67,7 @@ SIZES = {
     **dict.fromkeys(
         ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "hidden_dim", "word_embed_proj_dim"), WIDTH
     ),
-    **dict.fromkeys(("embedding_size", "n_embed", "d_embed", "emb_dim", "projection_dim"), WIDTH),
+    **dict.fromkeys(("embedding_size", "n_embed", "d_embed", "emb_dim", "projection_dim", "projection_size"), WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers"), 2),
     **dict.fromkeys(("num_decoder_layers", "num_encoder_layers", "decoder_num_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads"), 2),
@@ -127,7 +132,7 @@ _TYPE_SIZES = {
     "levit": {"patch_size": 16},  # its patch embedding is 4 stride-2 convolutions whatever patch_size says
     "audio-spectrogram-transformer": {"max_length": 32},  # spectrogram frames
 }
-_NO_DROP = ("dropout", "drop_rate", "dropout_rate", "layerdrop", "drop_path_rate", "drop_path", "pdrop")
+_NO_DROP = ("dropout", "drop_rate", "dropout_rate", "layerdrop", "drop_path_rate", "drop_path", "pdrop", "jitter")
 _MIN_VOCAB = 64
 
 
@@ -138,6 +143,11 @@ class ZooModel:
     name: str
     kind: str
     config_class: str
+
+    @property
+    def router(self) -> bool:
+        """Whether it is built with its router loss on (`output_router_logits=True`)."""
+        return self.kind == ROUTER_KIND
 
 
 def zoo_models(kinds: list[str] | None = None) -> list[ZooModel]:
@@ -151,7 +161,30 @@ def zoo_models(kinds: list[str] | None = None) -> list[ZooModel]:
                 if name not in found and model_type in configs:
                     found[name] = ZooModel(name, kind, configs[model_type])
     chosen = [model for model in found.values() if not kinds or model.kind in kinds]
-    return sorted(chosen, key=lambda model: model.name)
+    if not kinds or ROUTER_KIND in kinds:
+        causal = [model for model in found.values() if model.kind == "causal_lm"]
+        chosen += [ZooModel(m.name, ROUTER_KIND, m.config_class) for m in causal if _has_router(m.config_class)]
+    return sorted(chosen, key=lambda model: (model.name, model.kind))
+
+
+def _has_router(config_class: str) -> bool:
+    """Whether a config class has `output_router_logits` (itself, or its text config)."""
+    try:
+        config = getattr(transformers, config_class)()
+    except Exception:  # a config that cannot be made with its defaults: not run as a MoE
+        return False
+    return hasattr(config, "output_router_logits") or hasattr(text_config(config), "output_router_logits")
+
+
+def _router_on(values: dict) -> None:
+    """Turn the router loss on, in a config's values and those of its text config."""
+    for part in (values, values.get("text_config")):
+        if isinstance(part, dict) and "output_router_logits" in part:
+            part["output_router_logits"] = True
+            if isinstance(part.get("router_aux_loss_coef"), float):
+                part["router_aux_loss_coef"] = 0.5  # large: a router term over the wrong rows shows
+    if "output_router_logits" not in values and not isinstance(values.get("text_config"), dict):
+        values["output_router_logits"] = True
 
 
 def _tiny_value(key: str, value):
@@ -244,6 +277,8 @@ def build_model(model: ZooModel, seed: int = 0) -> torch.nn.Module:
     values = _shrunk(config_class().to_dict())
     if model.kind == "ctc" and values.get("vocab_size", 0) is None:
         values["vocab_size"] = _MIN_VOCAB  # the CTC head's size, which the default config leaves to the tokenizer
+    if model.router:
+        _router_on(values)
     config = config_class(**values)
     torch.manual_seed(seed)
     return getattr(transformers, model.name)(config).float()

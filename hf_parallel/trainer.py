@@ -93,6 +93,7 @@ class TrainerMixin:
             reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
             gather_rows=lambda rows: gather_samples(self.accelerator, rows),
             unwrap=self.accelerator.unwrap_model,
+            contrastive_negatives=self.args.contrastive_negatives,
         )
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(

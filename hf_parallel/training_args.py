@@ -29,6 +29,11 @@ class HfParallelArguments:
         gpu0_weight (`float`, *optional*):
             Like `gpu0_bsz`, but relative: GPU 0 gets `gpu0_weight` times the share of each other GPU
             (0.5 = half a share, 1 = an even split). Set at most one of `gpu0_bsz` and `gpu0_weight`.
+        contrastive_negatives (`str`, *optional*, defaults to `"step"`):
+            The rows a contrastive loss (CLIP, SigLIP, ... with `return_loss=True`) scores each row against under
+            gradient accumulation: `"step"`, every row of the optimizer step, as one device would (a cached
+            two-pass: one more forward without gradient per micro-batch); `"micro_batch"`, the rows of each
+            micro-batch over every device, as stock (warned). Without accumulation both are the whole batch.
     """
 
     #: The transformers class this one extends; an object of exactly that class is upgraded by `from_stock`.
@@ -61,6 +66,15 @@ class HfParallelArguments:
         },
     )
 
+    contrastive_negatives: str = field(
+        default="step",
+        metadata={
+            "help": "Under gradient accumulation, the negatives of a contrastive loss (CLIP, SigLIP, ...): 'step' "
+            "(every row of the optimizer step, exact; one more forward without gradient per micro-batch) or "
+            "'micro_batch' (each micro-batch's rows, as stock)."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_hf_parallel_fields()
@@ -86,6 +100,10 @@ class HfParallelArguments:
         if not isinstance(self.exact_loss, bool):
             raise ValueError(f"exact_loss must be True or False, got {self.exact_loss!r}.")
         check_split_options(self.gpu0_bsz, self.gpu0_weight)
+        if self.contrastive_negatives not in ("step", "micro_batch"):
+            raise ValueError(
+                f"contrastive_negatives must be 'step' or 'micro_batch', got {self.contrastive_negatives!r}."
+            )
         if self.gpu0_bsz is not None and self.gpu0_bsz > self.per_device_train_batch_size:
             # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
             # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.

@@ -179,6 +179,7 @@ def run_case(
             train_dataset=IterableRows(rows) if iterable else rows,
             eval_dataset=case.dataset(eval_rows, seed=2) if eval_rows else None,
             callbacks=[capture, *callbacks],
+            **({"data_collator": case.collator} if case.collator is not None else {}),
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         simulation = (

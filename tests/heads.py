@@ -180,6 +180,8 @@ class Case:
     build: Callable[[int], torch.nn.Module]
     rows: Callable[[int, int], list[dict]]
     label_smoothing: float = 0.0
+    #: The Trainer's data collator (its default when None).
+    collator: Callable[[list[dict]], dict] | None = None
 
     def dataset(self, n: int, seed: int = 0) -> ListDataset:
         return ListDataset(self.rows(n, seed))

@@ -20,6 +20,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .check import ModelLossCheck
+from .contrastive import CONTRASTIVE_NEGATIVES, rows_of
 from .counts import EvalTotals, StepCounts, sequence_length
 from .fallback import FALLBACK_NOTE
 from .forward import Terms, chosen_terms
@@ -58,6 +59,9 @@ class ExactLoss:
             when the head of that model is not cached yet.
         fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's stock loss when
             `None`).
+        contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
+            loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
+            (`"micro_batch"`, as stock); see `hf_parallel.exact.contrastive`.
     """
 
     def __init__(
@@ -70,7 +74,12 @@ class ExactLoss:
         gather_rows: Callable[[Any], Any] | None = None,
         unwrap: Callable[[nn.Module], nn.Module] | None = None,
         fallback: str | None = None,
+        contrastive_negatives: str = "step",
     ):
+        if contrastive_negatives not in CONTRASTIVE_NEGATIVES:
+            raise ValueError(
+                f"contrastive_negatives must be one of {CONTRASTIVE_NEGATIVES}, got {contrastive_negatives!r}."
+            )
         if num_processes > 1 and reduce_sum is None:
             raise ValueError(f"ExactLoss over {num_processes} processes needs reduce_sum to count the whole step.")
         self.enabled = enabled
@@ -84,6 +93,9 @@ class ExactLoss:
             "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
         )
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
+        self.contrastive_negatives = contrastive_negatives
+        #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.contrastive`): checked, its cache.
+        self.coupled: dict[tuple, dict] = {}
         #: The check of each model's head against the model's own loss.
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
         # The last step's counts and micro-batches (the check may change the head, then the count), and the counts
@@ -232,7 +244,10 @@ class ExactLoss:
             )
             return
         last = batches[-1]
-        samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
+        if head.label_keys:
+            samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
+        else:  # a contrastive batch, without labels
+            samples = rows_of(last)
         real = real_rows(samples, end.remainder, process_index)
         if real is not None and real < samples:
             last[REAL_ROWS_KEY] = real
@@ -241,7 +256,7 @@ class ExactLoss:
     def _count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
         seq_len = sequence_length(batch, main_input_name)
         real = batch.get(REAL_ROWS_KEY)
-        if real is None:
+        if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
             return head.count(batch, seq_len)
         # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
         sample_ids = sample_ids_of(head, batch)

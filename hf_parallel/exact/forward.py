@@ -41,6 +41,7 @@ from .compare import (
     replica_check,
     takes_gradient_from_loss,
 )
+from .contrastive import contrastive_loss
 from .counts import StepCounts, sequence_length
 from .ctc import LOSS_CALL_KEY, LossCallWatch
 from .decoder import decoder_input_ids, needs_decoder_inputs
@@ -127,6 +128,9 @@ def micro_batch_loss(
         context (`RunContext`): what stays the same over the run.
         return_outputs (`bool`, *optional*): return the outputs too.
     """
+    if getattr(head, "batch_coupled", False):
+        # Each row's loss depends on the others of the batch: computed on the whole step's embeddings.
+        return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
     owner = model if context.owner is None else context.owner
     given, step = step, exact.current_counts(step)  # recounted where the check changed the head
     check = exact.pending_check(head, owner, inputs)

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
 
+from .contrastive import ContrastiveHead, contrastive_variant
 from .ctc import CTCHead
 from .decoder import LabelsInForwardHead
 from .frames import FrameClassificationHead
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead
-from .router import router_balance_of
+from .router import router_balance_of, text_config
 from .segmentation import SegmentationHead
 
 __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
@@ -53,6 +54,12 @@ MULTIMODAL_LM = _class_names(
     "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
     "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
 )
+# Contrastive dual encoders (`return_loss=True`): each row's loss depends on every other row of the batch, so they are
+# computed on the whole step's embeddings (`hf_parallel.exact.contrastive`). The zero-shot image classifiers, and the
+# dual encoders of other modalities that the mappings file elsewhere.
+CONTRASTIVE = _class_names("MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES") | frozenset(
+    {"ClapModel", "GroupViTModel", "VisionTextDualEncoderModel", "XCLIPModel", "OwlViTModel", "Owlv2Model"}
+)
 # Losses that are not a sum over items, by mapping: why each stays on the stock loss.
 NOT_A_SUM = {
     "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES": "matches predictions to boxes over the whole batch (Hungarian "
@@ -66,8 +73,6 @@ NOT_A_SUM = {
     "pixels",
     "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES": "reconstructs masked patches (normalised targets, a mask the "
     "model may draw itself), which the logits do not give per item",
-    "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES": "is contrastive: each row's loss depends on every "
-    "other row of its batch",
     "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES": "is an additive-margin softmax of speaker embeddings",
     "MODEL_FOR_PRETRAINING_MAPPING_NAMES": "adds pre-training objectives the logits do not carry",
 }
@@ -161,6 +166,19 @@ def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
     return CrossEntropyHead(name="multimodal_lm", shift=True, smoothing=smoothing, per_position=True)
 
 
+def _contrastive(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s contrastive loss.")
+    variant = contrastive_variant(model, name)
+    if variant is None:
+        raise UnsupportedHead(
+            f"{name}'s contrastive loss reads scale parameters hf_parallel does not know (it knows CLIP's "
+            "logit_scale, SigLIP's logit_scale and logit_bias, ALIGN's temperature and CLAP's two scales), so "
+            "each device keeps its own rows as negatives."
+        )
+    return ContrastiveHead(variant)
+
+
 def _not_a_sum(reason: str) -> Callable[..., LossHead]:
     def build(name: str, model, labels, smoothing: float) -> LossHead:
         raise UnsupportedHead(f"{name}'s loss {reason}: it is not a sum over items that can be split exactly.")
@@ -209,6 +227,7 @@ HEAD_FAMILIES: tuple[HeadFamily, ...] = (
     HeadFamily(SEMANTIC_SEGMENTATION, _segmentation),
     HeadFamily(AUDIO_FRAME_CLASSIFICATION, _frames),
     HeadFamily(MULTIMODAL_LM, _multimodal_lm),
+    HeadFamily(CONTRASTIVE, _contrastive),
     # Decoders in the seq2seq mapping (AudioFlamingo3, MusicFlamingo: audio placeholders, then text): a causal LM.
     HeadFamily(SEQ2SEQ_LM, _multimodal_lm, encoder_decoder=False),
     *(HeadFamily(_class_names(mapping), _not_a_sum(reason)) for mapping, reason in NOT_A_SUM.items()),
@@ -241,7 +260,7 @@ def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
 
 
 def _returns_router_logits(config) -> bool:
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     return bool(getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
 
 
@@ -291,14 +310,9 @@ def resolve_head(
         raise UnsupportedHead(f"{name} has no `config`: not a transformers model with a known head.")
     head = _head_by_class(model, sample_labels, label_smoothing)
     if head.shift and _returns_router_logits(config):
-        # A MoE LM adds its router's load-balancing loss to the cross-entropy (the check confirms it).
-        router = router_balance_of(model)
-        if router is None:
-            raise UnsupportedHead(
-                f"{name} returns its router logits (output_router_logits=True), but its number of experts, experts "
-                "per token or router_aux_loss_coef cannot be read from it or its config."
-            )
-        head.router = router
+        # A MoE LM adds its router's load-balancing loss to the cross-entropy. One whose sizes cannot be read (or that
+        # adds none: several return their router logits only) keeps the plain head, and the check judges it.
+        head.router = router_balance_of(model)
     if virtual_tokens is not None and getattr(head, "per_position", False) and not head.builds_decoder_inputs:
         raise UnsupportedHead(
             f"the {virtual_tokens} adapter on {name} prepends virtual tokens, so the logits have more positions "

@@ -26,7 +26,7 @@ import torch
 
 from .heads import HeadMismatch
 
-__all__ = ["RouterBalance", "router_balance_of"]
+__all__ = ["RouterBalance", "router_balance_of", "text_config"]
 
 
 class RouterBalance:
@@ -117,6 +117,14 @@ class RouterBalance:
         return torch.cat([assignments, kept.reshape(1)]).double()
 
 
+def text_config(config):
+    """The config of a model's text part (`get_text_config`), the config itself where it has none or several."""
+    try:
+        return config.get_text_config()
+    except (AttributeError, ValueError):  # no such method; several text configs (an encoder's and a decoder's)
+        return config
+
+
 def router_balance_of(model) -> RouterBalance | None:
     """
     The `RouterBalance` of a transformers MoE model that returns its router logits (`output_router_logits=True` in
@@ -126,7 +134,7 @@ def router_balance_of(model) -> RouterBalance | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     if not (getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False)):
         return None
 

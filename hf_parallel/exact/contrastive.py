@@ -1,0 +1,424 @@
+"""
+Contrastive losses (CLIP, SigLIP, ALIGN, CLAP, ... with `return_loss=True`) over the whole step's batch.
+
+Each row's loss depends on every other row of its batch: an image is scored against every text of the batch (softmax
+over the batch for CLIP, a sigmoid per pair for SigLIP). Split the batch and each part sees only its own rows as
+negatives, which is another loss, not a share of it (a tiny CLIP on 4 rows split 2 x 2: x0.585 of the loss, the
+gradient off by 60 % of its norm). No count fixes that, so the loss is computed on the embeddings of the whole step:
+
+- **DataParallel**: each replica returns only its rows' two embeddings (`[rows, dim]`, cheap); the loss is computed
+  on GPU 0 from all of them, and its gradient flows back into the replicas through torch's gather.
+- **DDP / FSDP**: the embeddings of every rank are gathered (without gradient) and this rank's own rows put back in
+  their place with their graph; each rank computes the loss of the whole batch. The gradient of this rank's rows is
+  scaled by the world size, which DDP's averaging divides again; the loss's own parameters (the logit scale, SigLIP's
+  bias) get the whole loss's gradient on every rank, which averaging keeps.
+- **Gradient accumulation** (G > 1 micro-batches): a cached two-pass, as GradCache does. At the step's first
+  micro-batch every micro-batch of the step is embedded without gradient (one more forward each, without
+  activations kept); the whole step's loss and its gradient with respect to every embedding (and to the loss's own
+  parameters) are computed once; then each micro-batch runs again with gradient, under the random state of its first
+  pass (so dropout draws the same masks), and back-propagates `sum(embedding * cached gradient)`: the gradient of the
+  whole step's loss. Its cost is the forward without gradient of each micro-batch, about a third of a training step.
+  `contrastive_negatives="micro_batch"` keeps stock's per-micro-batch negatives instead (with a warning).
+
+The model judges the reconstruction: the first forward asks for the model's own loss on its rows (each replica's,
+each rank's), and the loss recomputed from the embeddings must equal it. A contrastive model whose loss is another
+(an unknown variant) falls back to the stock loss with a warning naming both values.
+
+```python
+from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
+
+exact = ExactLoss()
+head = exact.head(clip_model, batch)  # ContrastiveHead(name='contrastive/clip')
+step = exact.count_step(head, [batch])
+loss, _ = micro_batch_loss(exact, clip_model, head, batch, step, RunContext())  # what one device gives on all rows
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .compare import tolerance
+from .counts import StepCounts
+from .heads import LossHead
+from .remainder import REAL_ROWS_KEY
+from .replicas import is_data_parallel, run_in_replicas
+
+__all__ = [
+    "CONTRASTIVE_NEGATIVES",
+    "ContrastiveHead",
+    "ContrastiveVariant",
+    "contrastive_loss",
+    "contrastive_variant",
+]
+
+#: The values of `TrainingArguments.contrastive_negatives`: "step", every row of the optimizer step (exact);
+#: "micro_batch", the rows of each micro-batch (over every device), as stock's gradient accumulation has them.
+CONTRASTIVE_NEGATIVES = ("step", "micro_batch")
+
+
+def _cross_entropy(logits: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+    targets = torch.arange(logits.shape[0], device=logits.device)
+    return F.cross_entropy(logits, targets, label_smoothing=smoothing)
+
+
+def _clip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    logits = (text @ other.t()) * model.logit_scale.float().exp()
+    return (_cross_entropy(logits) + _cross_entropy(logits.t())) / 2
+
+
+def _siglip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    logits = (text @ other.t()) * model.logit_scale.float().exp() + model.logit_bias.float()
+    signs = 2 * torch.eye(logits.shape[0], device=logits.device) - 1
+    return -F.logsigmoid(signs * logits).sum(-1).mean()
+
+
+def _temperature(smoothing: float) -> Callable[..., torch.Tensor]:
+    def loss(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        logits = (text @ other.t()) / model.temperature.float()
+        return (_cross_entropy(logits, smoothing) + _cross_entropy(logits.t(), smoothing)) / 2
+
+    return loss
+
+
+def _clap(model: Any, text: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    # As ClapModel: both terms over the texts' rows, each with its own scale.
+    per_text = (text @ audio.t()) * model.logit_scale_t.float().exp()
+    per_audio = (audio @ text.t()) * model.logit_scale_a.float().exp()
+    return (_cross_entropy(per_text) + _cross_entropy(per_audio.t())) / 2
+
+
+@dataclass(frozen=True)
+class ContrastiveVariant:
+    """
+    How a contrastive model's loss is made from its two embeddings.
+
+    Args:
+        name (`str`): "clip", "siglip", "align", "temperature" or "clap".
+        keys (`tuple[str, str]`): the output keys of the text embeddings and the other modality's.
+        loss (`Callable`): `loss(model, text, other)`: the loss of the rows given, reading the model's own scale
+            parameters (float32 embeddings).
+        parameters (`tuple[str, ...]`): the names of those parameters on the model.
+    """
+
+    name: str
+    keys: tuple[str, str]
+    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    parameters: tuple[str, ...]
+
+
+def contrastive_variant(model: nn.Module, name: str) -> ContrastiveVariant | None:
+    """
+    The variant of a contrastive model (unwrapped), from the parameters its loss reads; None for one hf_parallel does
+    not know. The first forward's check against the model's own loss confirms it.
+    """
+
+    def has(*names: str) -> bool:
+        return all(isinstance(getattr(model, n, None), nn.Parameter) for n in names)
+
+    other = "audio_embeds" if "audio" in name.lower() or "clap" in name.lower() else "image_embeds"
+    keys = ("text_embeds", other)
+    if has("logit_scale_t", "logit_scale_a"):
+        return ContrastiveVariant("clap", ("text_embeds", "audio_embeds"), _clap, ("logit_scale_t", "logit_scale_a"))
+    if has("logit_scale", "logit_bias"):
+        return ContrastiveVariant("siglip", keys, _siglip, ("logit_scale", "logit_bias"))
+    if has("temperature"):
+        smoothing = 0.1 if name == "AlignModel" else 0.0  # ALIGN smooths its targets by 0.1
+        kind = "align" if smoothing else "temperature"
+        return ContrastiveVariant(kind, keys, _temperature(smoothing), ("temperature",))
+    if has("logit_scale"):
+        return ContrastiveVariant("clip", keys, _clip, ("logit_scale",))
+    return None
+
+
+def rows_of(batch: dict) -> int:
+    """The rows of a batch: the first dimension of its first tensor with one."""
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0 and key != "return_loss":
+            return value.shape[0]
+    raise ValueError(f"A contrastive batch needs at least one tensor with rows; it has {sorted(batch)}.")
+
+
+class ContrastiveHead(LossHead):
+    """
+    A contrastive model's loss over every row of the step (see the module docstring). It has no labels: a batch
+    asks for its loss with `return_loss=True`, as for the model itself. Its count is the step's rows (for the record:
+    the loss is not a sum over them).
+    """
+
+    #: Each row's loss depends on the other rows of the batch: `micro_batch_loss` hands it to `contrastive_loss`.
+    batch_coupled = True
+
+    def __init__(self, variant: ContrastiveVariant):
+        super().__init__((), f"contrastive/{variant.name}")
+        self.variant = variant
+
+    def has_labels(self, batch) -> bool:
+        flag = batch.get("return_loss")
+        return bool(flag.all()) if torch.is_tensor(flag) else bool(flag)
+
+    def count(self, labels: dict, seq_len: int | None = None) -> torch.Tensor:
+        rows = rows_of(labels)
+        real = labels.get(REAL_ROWS_KEY)
+        return torch.tensor([rows if real is None else min(rows, int(real))])
+
+    def row_terms(self, outputs, labels):
+        raise NotImplementedError("A contrastive loss is not a sum over rows: see hf_parallel.exact.contrastive.")
+
+
+@dataclass
+class _Cache:
+    """The first pass of a step under gradient accumulation: the gradient of the whole step's loss with respect to
+    each micro-batch's embeddings and to the loss's parameters, the loss, and each micro-batch's random state."""
+
+    step: StepCounts
+    batches: list[dict]
+    gradients: list[tuple[torch.Tensor, torch.Tensor]]
+    parameter_gradients: list[torch.Tensor]
+    loss: torch.Tensor
+    random_states: list[Any]
+
+
+class _Embed:
+    """One forward's two embeddings, and where `check`, the model's own loss on its rows and the loss recomputed from
+    them (each `[1]`): run where the outputs are, in a DataParallel replica on its rows."""
+
+    def __init__(self, head: ContrastiveHead, check: bool, source: Any = None):
+        self.head, self.check, self.source = head, check, source
+
+    def __call__(self, run, inputs: dict, labels: dict):
+        outputs = run(**inputs, return_loss=self.check)
+        text, other = (outputs[key].float() for key in self.head.variant.keys)
+        nan = torch.full((1,), float("nan"), device=text.device)
+        own = recomputed = nan
+        if self.check:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else None
+            if torch.is_tensor(loss) and loss.numel() == 1:
+                own = loss.float().reshape(1)
+                # In a replica, its own copies of the scale parameters (the replica itself, through `run`).
+                source = run if self.source is None else self.source
+                with torch.no_grad():
+                    recomputed = self.head.variant.loss(source, text, other).reshape(1)
+        return text, other, own, recomputed
+
+
+def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dict, step, context, return_outputs):
+    """
+    The loss of one micro-batch of a contrastive model: that of the whole step's rows, over every device (training:
+    its share, `loss / G` per micro-batch, with the gradient of the whole step), or of this batch over every device
+    (evaluation: its loss added to the evaluation totals, their mean over batches at the end). Returns the loss and
+    the outputs (the two embeddings of this forward's rows) when `return_outputs`.
+    """
+    owner = model if context.owner is None else context.owner
+    key = exact._key(owner, None)
+    source = exact.unwrap(owner)
+    state = exact.coupled.setdefault(key, {"checked": False, "cache": None})
+    batch, real = _model_inputs(inputs)
+    micro_batches = step.micro_batches if step is not None else 1
+    two_pass = step is not None and micro_batches > 1 and exact.contrastive_negatives == "step"
+    if step is not None and micro_batches > 1 and not two_pass:
+        exact.warn_once(
+            f"exact_loss: contrastive_negatives='micro_batch': the {head.variant.name} loss of each micro-batch takes "
+            f"only its own rows (over every device) as negatives, not those of the {micro_batches} micro-batches of "
+            "the step, as stock does; its loss and gradient are not those of one device on the whole step. "
+            "contrastive_negatives='step' (the default) makes them exact at the cost of one forward without gradient "
+            "per micro-batch."
+        )
+    if two_pass:
+        return _second_pass(exact, model, owner, head, inputs, batch, real, step, context, state, return_outputs)
+    text, other, own, recomputed = _forward(exact, model, head, batch, context, not state["checked"], source)
+    if not state["checked"] and not _verdict(exact, owner, head, own, recomputed, state):
+        return own.mean() / micro_batches, _outputs(head, text, other, return_outputs)
+    text, other = text[:real], other[:real]
+    if step is None and exact.evaluating:
+        # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
+        # fill the last batch dropped); every rank adds the same loss, once.
+        text_all, other_all = exact.gather_rows((text.detach(), other.detach()))
+        loss = head.variant.loss(source, text_all, other_all)
+        exact._eval_totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
+        return loss, _outputs(head, text, other, return_outputs)
+    world = exact.num_processes
+    loss = head.variant.loss(source, *(_everyones(part, world) for part in (text, other)))
+    return loss / micro_batches, _outputs(head, text, other, return_outputs)
+
+
+def _model_inputs(inputs: dict) -> tuple[dict, int | None]:
+    """The model's inputs without `return_loss` and the padding mark, and how many leading rows are real."""
+    real = inputs.get(REAL_ROWS_KEY)
+    batch = {key: value for key, value in inputs.items() if key not in ("return_loss", REAL_ROWS_KEY)}
+    return batch, (int(real) if real is not None else None)
+
+
+def _forward(exact, model, head, batch, context, check: bool, source) -> tuple[torch.Tensor, ...]:
+    """The two embeddings of `batch` (gathered from the replicas under DataParallel) and, where `check`, each
+    replica's own loss and recomputed one."""
+    if is_data_parallel(model):
+        return run_in_replicas(model, _Embed(head, check), batch, {}, context.autocast_dtype)
+    return _Embed(head, check, source)(model, batch, {})
+
+
+def _verdict(exact, owner, head, own: torch.Tensor, recomputed: torch.Tensor, state: dict) -> bool:
+    """
+    Whether the loss recomputed from the embeddings is the model's own on every replica and rank (every rank decides
+    alike). If not, the model falls back to the stock loss, warned once with both values.
+    """
+    bound = tolerance(own.dtype) * own.detach().abs() + 1e-6
+    misses = ((recomputed - own.detach()).abs() > bound) | own.isnan() | recomputed.isnan()
+    votes = torch.stack([misses.double().sum(), own.detach().double().nan_to_num(0).sum()])
+    votes = torch.cat([votes, recomputed.double().nan_to_num(0).sum().reshape(1), torch.ones(1, dtype=torch.float64)])
+    if exact.num_processes > 1:
+        votes = exact.reduce_sum(votes.to(own.device))
+    state["checked"] = True
+    if float(votes[0]) == 0:
+        return True
+    name = type(exact.unwrap(owner)).__name__
+    replicas = max(float(votes[3]), 1.0)
+    exact._heads[exact._key(owner, None)] = (owner, None)
+    exact.warn_fallback(
+        f"{name}'s own contrastive loss ({float(votes[1]) / replicas:.6g}) is not the {head.variant.name} loss "
+        f"recomputed from its {head.variant.keys[0]} and {head.variant.keys[1]} ({float(votes[2]) / replicas:.6g}): "
+        "hf_parallel does not know this variant, so each device keeps its own rows as negatives."
+    )
+    return False
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor):
+        return gradient * ctx.scale, None
+
+
+def _everyones(own: torch.Tensor, world: int) -> torch.Tensor:
+    """
+    The rows of every rank, in rank order, this rank's with their graph and a gradient scaled by `world` (which DDP's
+    averaging divides again); `own` itself in one process. Ranks may hold different numbers of rows.
+    """
+    if world == 1:
+        return own
+    gathered = all_gather_rows(own.detach())
+    rank = dist.get_rank()
+    parts = list(gathered)
+    parts[rank] = _ScaleGradient.apply(own, float(world))
+    return torch.cat(parts)
+
+
+def all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor` (the same trailing shape, any number of rows), in rank order; without gradient."""
+    world = dist.get_world_size()
+    rows = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(sizes, rows)
+    most = int(max(size.item() for size in sizes))
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded.contiguous())
+    return [part[: int(size.item())] for part, size in zip(gathered, sizes, strict=True)]
+
+
+def _outputs(head: ContrastiveHead, text: torch.Tensor, other: torch.Tensor, wanted: bool):
+    return {head.variant.keys[0]: text, head.variant.keys[1]: other} if wanted else None
+
+
+# ---- Gradient accumulation: the cached two-pass ----
+def _random_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _index_in_step(batches: list[dict], inputs: dict) -> int:
+    """Which of the step's micro-batches `inputs` is: the one holding the same tensors (or equal ones)."""
+    tensors = [(key, value) for key, value in inputs.items() if torch.is_tensor(value) and key != "return_loss"]
+    for index, batch in enumerate(batches):
+        if all(batch.get(key) is value for key, value in tensors):
+            return index
+    for index, batch in enumerate(batches):
+        if all(_equal(batch.get(key), value) for key, value in tensors):
+            return index
+    raise ValueError(
+        "contrastive loss: this micro-batch is not one of the step's counted micro-batches, so the step's first pass "
+        "has no gradient for it. Pass the step's batches unchanged."
+    )
+
+
+def _equal(own: Any, given: torch.Tensor) -> bool:
+    return torch.is_tensor(own) and own.shape == given.shape and torch.equal(own.to(given.device), given)
+
+
+def _first_pass(exact, model, owner, head, step, context, state) -> _Cache | None:
+    """Embed every micro-batch of the step without gradient, then the whole step's loss and its gradients (None: the
+    check fell back to the stock loss)."""
+    counted = exact._counted
+    if counted is None or counted[0] is not step:
+        raise RuntimeError("contrastive loss: the step's micro-batches were not counted (ExactLoss.count_step).")
+    batches, source = counted[1], exact.unwrap(owner)
+    random_states, texts, others = [], [], []
+    for batch in batches:
+        random_states.append(_random_state())
+        inputs, real = _model_inputs(batch)
+        check = not state["checked"]
+        with torch.no_grad():
+            text, other, own, recomputed = _forward(exact, model, head, inputs, context, check, source)
+        if check and not _verdict(exact, owner, head, own, recomputed, state):
+            _set_random_state(random_states[0])
+            return None
+        texts.append(text[:real])
+        others.append(other[:real])
+    _set_random_state(random_states[0])
+    text = torch.cat(texts).requires_grad_(True)
+    other = torch.cat(others).requires_grad_(True)
+    parameters = [getattr(source, name) for name in head.variant.parameters]
+    world = exact.num_processes
+    with torch.enable_grad():
+        everyone = [_everyones(part, world) for part in (text, other)]
+        loss = head.variant.loss(source, *everyone)
+        # The rows' gradients come out x world (`_everyones`), ready for DDP's averaging.
+        gradients = torch.autograd.grad(loss, [text, other, *parameters])
+    sizes = [len(part) for part in texts]
+    per_batch = list(zip(gradients[0].split(sizes), gradients[1].split(sizes), strict=True))
+    return _Cache(step, batches, per_batch, list(gradients[2:]), loss.detach(), random_states)
+
+
+def _second_pass(exact, model, owner, head, inputs, batch, real, step, context, state, return_outputs):
+    """This micro-batch again, with gradient: `sum(embeddings x cached gradients)` back-propagates the whole step's
+    gradient through it; its value is the step's loss over its micro-batches."""
+    cache = state["cache"]
+    if cache is None or cache.step is not step:
+        cache = state["cache"] = _first_pass(exact, model, owner, head, step, context, state)
+        if cache is None:  # the check fell back: this micro-batch's own loss, as stock
+            text, other, own, _ = _forward(exact, model, head, batch, context, True, exact.unwrap(owner))
+            return own.mean() / step.micro_batches, _outputs(head, text, other, return_outputs)
+    index = _index_in_step(cache.batches, inputs)
+    _set_random_state(cache.random_states[index])
+    text, other, _, _ = _forward(exact, model, head, batch, context, False, exact.unwrap(owner))
+    text_gradient, other_gradient = cache.gradients[index]
+    surrogate = (text[:real] * text_gradient).sum() + (other[:real] * other_gradient).sum()
+    source = exact.unwrap(owner)
+    for name, gradient in zip(head.variant.parameters, cache.parameter_gradients, strict=True):
+        # The loss's own parameters: the whole gradient over the step, a 1/G share per micro-batch.
+        surrogate = surrogate + (getattr(source, name) * gradient).sum() / step.micro_batches
+    loss = surrogate - surrogate.detach() + cache.loss / step.micro_batches
+    if index == len(cache.batches) - 1:
+        state["cache"] = None
+    return loss, _outputs(head, text, other, return_outputs)

@@ -1,0 +1,197 @@
+"""
+Contrastive losses over the whole step (tests/contrastive.py: CLIP and SigLIP, `return_loss=True`): under gradient
+accumulation (the cached two-pass), torch's DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank DDP
+(alone and with GA 2), the logged loss, the gradient and the weights after the step equal the model's own loss on all
+the step's rows in one forward; evaluation takes each batch over every device as one batch. Stock is the control that
+must differ; `contrastive_negatives="micro_batch"` gives stock's per-micro-batch negatives, warned; a contrastive
+model whose loss is not the recomputed one falls back with a warning; the hand-written loop (`ExactLoop`) with
+dropout equals one forward over the step drawn with the same random state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import CLIPModel
+
+import hf_parallel
+from hf_parallel import ExactLoop
+from hf_parallel.exact import resolve_head
+from hf_parallel.exact.resolve import UnsupportedHead
+from tests.contrastive import CASES, _clip, clip_rows, collate
+from tests.harness import (
+    EVAL_ROWS,
+    SINGLE,
+    TRAIN_ROWS,
+    RunResult,
+    Topology,
+    max_relative_diff,
+    record_hf_parallel_log,
+    run_case,
+    run_ddp_runs,
+)
+from tests.heads import Case
+
+TOL = 1e-5
+EVAL_BATCH = 2  # harness.SGD_STEP's per_device_eval_batch_size
+GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
+DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
+DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
+DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
+
+_single: dict[str, RunResult] = {}
+
+
+def single(case: str) -> RunResult:
+    if case not in _single:
+        _single[case] = run_case(CASES[case], SINGLE)
+    return _single[case]
+
+
+def own_eval_loss(case: str, global_batch: int) -> float:
+    """The model's own loss on each evaluation batch of `global_batch` rows (every device's), averaged over them."""
+    model = CASES[case].build(0).eval()
+    rows = CASES[case].rows(EVAL_ROWS, 2)  # run_case's evaluation rows, in order
+    with torch.no_grad():
+        losses = [model(**collate(rows[i : i + global_batch])).loss.item() for i in range(0, len(rows), global_batch)]
+    return sum(losses) / len(losses)
+
+
+def assert_exact(result: RunResult, case: str, devices: int, what: str) -> None:
+    reference = single(case)
+    assert result.loss == pytest.approx(reference.loss, rel=TOL), f"{what}: logged loss"
+    assert max_relative_diff(result.grads, reference.grads) < TOL, f"{what}: gradient"
+    assert max_relative_diff(result.params, reference.params) < TOL, f"{what}: parameters after the step"
+    assert result.eval_loss == pytest.approx(own_eval_loss(case, EVAL_BATCH * devices), rel=TOL), f"{what}: eval"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_process_is_the_models_own_loss(case):
+    model = CASES[case].build(0)
+    loss = model(**collate(CASES[case].rows(TRAIN_ROWS, 1))).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    result = single(case)
+    assert result.loss == pytest.approx(loss.item(), rel=TOL)
+    assert max_relative_diff(result.grads, grads) < TOL
+    assert result.eval_loss == pytest.approx(own_eval_loss(case, EVAL_BATCH), rel=TOL)
+
+
+@pytest.mark.parametrize(
+    ("case", "topology"),
+    [pytest.param(c, t, id=f"{c}-{t.name}") for t in (GA2, DP2, DP3_GPU0) for c in CASES],
+)
+def test_in_process_topologies_equal_one_process(case, topology):
+    result = run_case(CASES[case], topology)
+    assert_exact(result, case, topology.dp_devices, f"{case} under {topology.name}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_control_stock_under_gradient_accumulation(case):
+    """Stock: each micro-batch scores its rows against its own rows only (x0.6 here), and the gradient is another."""
+    stock = run_case(CASES[case], GA2, stock=True, eval_rows=0)
+    assert stock.loss / single(case).loss < 0.8
+    assert max_relative_diff(stock.grads, single(case).grads) > 0.1
+
+
+def test_micro_batch_negatives_are_stocks_and_warned():
+    case = "clip_contrastive"
+    with record_hf_parallel_log() as log:
+        ours = run_case(CASES[case], GA2, eval_rows=0, contrastive_negatives="micro_batch")
+    assert "contrastive_negatives='micro_batch'" in log.text
+    stock = run_case(CASES[case], GA2, stock=True, eval_rows=0)
+    assert ours.loss == pytest.approx(stock.loss, rel=TOL)
+    assert max_relative_diff(ours.grads, stock.grads) < TOL
+
+
+def test_contrastive_negatives_must_be_known():
+    with pytest.raises(ValueError, match="contrastive_negatives must be 'step' or 'micro_batch', got 'batch'"):
+        hf_parallel.TrainingArguments(output_dir="unused", contrastive_negatives="batch", use_cpu=True)
+
+
+class DoubledLossCLIP(CLIPModel):
+    """A CLIP whose own loss is another than CLIP's (twice it): the reconstruction must not be taken."""
+
+    def forward(self, **inputs):
+        outputs = super().forward(**inputs)
+        if outputs.loss is not None:
+            outputs.loss = outputs.loss * 2
+        return outputs
+
+
+DoubledLossCLIP.__name__ = "CLIPModel"  # the head is chosen by class name: this one is taken for CLIP
+
+
+def _doubled(seed: int):
+    model = _clip(seed)
+    model.__class__ = DoubledLossCLIP
+    return model
+
+
+def test_an_unknown_contrastive_loss_falls_back_with_a_warning():
+    case = Case("doubled_clip", _doubled, clip_rows, collator=collate)
+    with record_hf_parallel_log() as log:
+        ours = run_case(case, GA2, eval_rows=0)
+    assert "is not the clip loss recomputed" in log.text
+    stock = run_case(case, GA2, stock=True, eval_rows=0)
+    assert ours.loss == pytest.approx(stock.loss, rel=TOL)
+    assert max_relative_diff(ours.grads, stock.grads) < TOL
+
+
+def test_a_model_without_known_scale_parameters_is_unsupported():
+    model = _clip(0)
+    del model.logit_scale
+    with pytest.raises(UnsupportedHead, match="scale parameters hf_parallel does not know"):
+        resolve_head(model)
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> dict:
+    runs = {f"{t.name}: {case}": (CASES[case], t, False, {}) for case in CASES for t in (DDP2, DDP2_GA2)}
+    runs["stock DDP 2: clip_contrastive"] = (CASES["clip_contrastive"], DDP2, True, {"eval_rows": 0})
+    return run_ddp_runs(runs, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_equal_one_process(ddp_results):
+    for case in CASES:
+        for topology in (DDP2, DDP2_GA2):
+            result = ddp_results[f"{topology.name}: {case}"]
+            assert result.wrapped == "DistributedDataParallel"
+            assert result.max_rank_param_diff == 0.0
+            assert_exact(result, case, 2, f"{case} under {topology.name}")
+    stock = ddp_results["stock DDP 2: clip_contrastive"]
+    assert stock.loss / single("clip_contrastive").loss < 0.8
+
+
+def test_exact_loop_two_pass_with_dropout_is_one_forward_over_the_step():
+    """
+    ExactLoop, 2 micro-batches of a CLIP with dropout: the gradient is that of the whole step's loss with the masks the
+    micro-batches drew (one forward each, from the same random state, in one graph), and the logged loss its value.
+    """
+    rows = clip_rows(TRAIN_ROWS, 1)
+    reference_model = _clip(0, dropout=0.3).train()
+    torch.manual_seed(7)
+    halves = list(DataLoader(rows, batch_size=4, collate_fn=collate))  # its iterator draws a seed, as the loop's
+    outputs = [reference_model(**{k: v for k, v in half.items() if k != "return_loss"}) for half in halves]
+    text = torch.cat([o.text_embeds for o in outputs])
+    image = torch.cat([o.image_embeds for o in outputs])
+    logits = text @ image.t() * reference_model.logit_scale.exp()
+    targets = torch.arange(TRAIN_ROWS)
+    reference = (
+        torch.nn.functional.cross_entropy(logits, targets) + torch.nn.functional.cross_entropy(logits.t(), targets)
+    ) / 2
+    reference.backward()
+    grads = {n: p.grad for n, p in reference_model.named_parameters() if p.grad is not None}
+
+    model = _clip(0, dropout=0.3).train()
+    loader = DataLoader(rows, batch_size=4, collate_fn=collate)
+    torch.manual_seed(7)
+    (step,) = ExactLoop().steps(loader, accumulation_steps=2)
+    for batch in step:
+        step.loss(model, batch).backward()
+    ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert step.logged_loss() == pytest.approx(reference.item(), rel=TOL)
+    assert max_relative_diff(ours, grads) < 1e-4
