@@ -10,6 +10,10 @@ Three traps, each measured on transformers 5.24 / accelerate 1.15 / torch 2.13:
    script says.
 3. `nn.DataParallel` over several GPUs (one process, no launcher). It works, but DDP is faster and scales; a
    one-line hint says how to launch it.
+
+And one downgrade, measured on transformers 5.24 / accelerate 1.16: `fsdp` or a DeepSpeed config asked for, but
+accelerate runs DDP or a single process instead (`use_cpu`, or no GPU): every rank then holds the whole model and
+the optimizer state, and nothing says so. `check_sharding` warns.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "batch_statistics_split",
     "check_data_parallel",
     "check_launch",
+    "check_sharding",
     "check_visible_devices",
     "check_world_size",
     "launcher_world_size",
@@ -185,6 +190,60 @@ def check_launch(args) -> None:
     check_world_size(args)
     check_visible_devices()
     check_data_parallel(args)
+
+
+def sharding_downgrade(args, distributed_type: str, num_processes: int) -> str | None:
+    """
+    Why the sharding `args` ask for (`fsdp`, `deepspeed`) is not what accelerate runs (`distributed_type`, the value
+    of its `DistributedType`), or None when it is, or none was asked for.
+    """
+    fsdp_config = args.fsdp_config or {}
+    if args.fsdp and not fsdp_config.get("xla", False):
+        asked, runs_as = f"fsdp (FSDP version {fsdp_config.get('version', 1)})", "FSDP"
+    elif args.deepspeed:
+        asked, runs_as = "deepspeed (a ZeRO config)", "DEEPSPEED"
+    else:
+        return None
+    if distributed_type == runs_as:
+        return None
+    runs = {"MULTI_CPU": f"DDP over {num_processes} CPU processes (gloo)", "NO": "a single process"}.get(
+        distributed_type, f"{distributed_type} with {num_processes} processes"
+    )
+    if args.use_cpu or distributed_type in ("MULTI_CPU", "NO"):
+        why = (
+            f"accelerate enables {runs_as} only on GPUs and other accelerators (in AcceleratorState), not on the CPU "
+            f"(use_cpu={args.use_cpu})"
+        )
+    else:
+        why = "accelerate did not select it (check the launch: `hf-parallel env` under the same launcher)"
+    return (
+        f"{asked} was asked for, but accelerate runs {runs}: {why}. Every process holds the whole model, its "
+        "gradients and optimizer state. The loss is still exact; drop the option to silence this warning, or launch "
+        "on GPUs to shard."
+    )
+
+
+def check_sharding(args, accelerator) -> None:
+    """
+    Warn when `fsdp` or a DeepSpeed config was asked for but accelerate runs DDP or a single process instead:
+    with `use_cpu` (or without GPUs) accelerate silently drops the FSDP plugin (the run is MULTI_CPU, which has no
+    FSDP branch) and DeepSpeed (`ACCELERATE_USE_DEEPSPEED` is read only without `cpu`).
+
+    Args:
+        args (`transformers.TrainingArguments`):
+            The Trainer's arguments.
+        accelerator (`accelerate.Accelerator`):
+            The Trainer's accelerator: its `distributed_type` is what runs.
+
+    ```python
+    from hf_parallel.guards import check_sharding
+
+    check_sharding(trainer.args, trainer.accelerator)  # hf_parallel.Trainer does this once it is built
+    ```
+    """
+    reason = sharding_downgrade(args, accelerator.distributed_type.value, accelerator.num_processes)
+    if reason is not None:
+        logger.warning(reason)
 
 
 def check_not_empty(dataset, name: str) -> None:

@@ -34,7 +34,7 @@ from .exact import (
     stock_compute_loss,
     stock_training_step,
 )
-from .guards import batch_statistics_split, check_launch, check_not_empty
+from .guards import batch_statistics_split, check_launch, check_not_empty, check_sharding
 from .teardown import track_trainer
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
@@ -81,6 +81,7 @@ class TrainerMixin:
         if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
             self.args = args = with_hf_parallel_fields(self.args, None, like=given)
             check_launch(args)
+        check_sharding(self.args, self.accelerator)  # fsdp / deepspeed asked for, DDP or one process running
         if args.world_size > 1:
             # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
             track_trainer(self)

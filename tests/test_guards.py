@@ -303,3 +303,38 @@ def test_a_dataloader_without_dataset_trains_and_evaluates(trainer_base, tmp_pat
     trainer.train()
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0
+
+
+# ---- fsdp / DeepSpeed asked for, DDP or one process running (the FSDP case runs for real in test_fsdp2.py) ----
+
+
+def _sharding_args(**overrides) -> SimpleNamespace:
+    return SimpleNamespace(**{"fsdp": False, "fsdp_config": None, "deepspeed": None, "use_cpu": False, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("args", "distributed_type", "expected"),
+    [
+        (_sharding_args(deepspeed={"zero_optimization": {"stage": 2}}, use_cpu=True), "NO", "runs a single process"),
+        (_sharding_args(deepspeed="ds.json", use_cpu=True), "MULTI_CPU", "runs DDP over 2 CPU processes (gloo)"),
+        (_sharding_args(fsdp=True, fsdp_config={"version": 2}), "MULTI_GPU", "runs MULTI_GPU with 2 processes"),
+    ],
+)
+def test_a_sharding_downgrade_names_what_was_asked_and_what_runs(args, distributed_type, expected):
+    reason = guards.sharding_downgrade(args, distributed_type, 2)
+    asked = "fsdp (FSDP version 2)" if args.fsdp else "deepspeed (a ZeRO config)"
+    assert reason.startswith(f"{asked} was asked for, but accelerate {expected}: "), reason
+    assert ("not on the CPU" in reason) == (distributed_type in ("NO", "MULTI_CPU")), reason
+
+
+@pytest.mark.parametrize(
+    ("args", "distributed_type"),
+    [
+        (_sharding_args(), "MULTI_CPU"),
+        (_sharding_args(fsdp=True, fsdp_config={"version": 2}), "FSDP"),
+        (_sharding_args(deepspeed="ds.json"), "DEEPSPEED"),
+        (_sharding_args(fsdp=True, fsdp_config={"xla": True}), "XLA"),  # FSDP on TPUs is torch_xla's, not accelerate's
+    ],
+)
+def test_no_sharding_downgrade_when_it_runs_or_was_not_asked(args, distributed_type):
+    assert guards.sharding_downgrade(args, distributed_type, 2) is None
