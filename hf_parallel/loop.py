@@ -53,6 +53,7 @@ from .exact import (
     micro_batch_loss,
     replica_autocast,
 )
+from .exact.contrastive import rows_of
 from .unwrap import unwrap_model
 from .validation import check_whole_number
 
@@ -393,7 +394,7 @@ class _SamplerPadding:
         if self.real is None:
             return
         for batch in batches:
-            rows = len(batch[head.label_keys[0]])
+            rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
             real = min(rows, max(0, self.real - self.seen))
             self.seen += rows
             if real < rows:

@@ -95,6 +95,7 @@ class TrainerMixin:
             gather_rows=lambda rows: gather_samples(self.accelerator, rows),
             unwrap=self.accelerator.unwrap_model,
             contrastive_negatives=self.args.contrastive_negatives,
+            gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(

@@ -10,6 +10,8 @@ dropout equals one forward over the step drawn with the same random state.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -19,6 +21,7 @@ import hf_parallel
 from hf_parallel import ExactLoop
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.resolve import UnsupportedHead
+from hf_parallel.testing import spawn_cpu_ranks
 from tests.contrastive import CASES, _clip, clip_rows, collate
 from tests.harness import (
     EVAL_ROWS,
@@ -195,3 +198,46 @@ def test_exact_loop_two_pass_with_dropout_is_one_forward_over_the_step():
     ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert step.logged_loss() == pytest.approx(reference.item(), rel=TOL)
     assert max_relative_diff(ours, grads) < 1e-4
+
+
+def _loop_worker(out_dir: str) -> None:
+    """One rank of a hand-written DDP loop: CLIP, 2 rows x GA 2 per rank, then an evaluation whose last batch holds a
+    row the DistributedSampler repeats."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    torch.set_num_threads(1)
+    model = _clip(0)
+    wrapped = DistributedDataParallel(model)
+    train, evaluation = clip_rows(TRAIN_ROWS, 1), clip_rows(EVAL_ROWS, 2)
+    loader = DataLoader(train, batch_size=2, sampler=DistributedSampler(train, shuffle=False), collate_fn=collate)
+    loop = ExactLoop()
+    (step,) = loop.steps(loader, accumulation_steps=2)
+    for index, batch in enumerate(step):
+        context = wrapped.no_sync() if index == 0 else contextlib.nullcontext()
+        with context:
+            step.loss(wrapped, batch).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    logged = step.logged_loss()
+    sampler = DistributedSampler(evaluation, shuffle=False)
+    eval_loss = loop.evaluate(wrapped, DataLoader(evaluation, batch_size=2, sampler=sampler, collate_fn=collate))
+    torch.save({"loss": logged, "grads": grads, "eval_loss": eval_loss}, f"{out_dir}/rank{dist.get_rank()}.pt")
+
+
+@pytest.mark.slow
+def test_exact_loop_on_two_ddp_ranks_equals_one_process(tmp_path):
+    spawn_cpu_ranks(_loop_worker, args=(str(tmp_path),), num_processes=2, timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    model = _clip(0)
+    loss = model(**collate(clip_rows(TRAIN_ROWS, 1))).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    evaluation = clip_rows(EVAL_ROWS, 2)
+    with torch.no_grad():  # global evaluation batches of 2 x 2 rows: rows 0-3, then 4-6 (the repeat dropped)
+        own = [model(**collate(evaluation[i : i + 4])).loss.item() for i in (0, 4)]
+    for rank in ranks:
+        assert rank["loss"] == pytest.approx(loss.item(), rel=TOL)
+        assert max_relative_diff(rank["grads"], grads) < TOL
+        assert rank["eval_loss"] == pytest.approx(sum(own) / 2, rel=TOL)

@@ -240,13 +240,22 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
     if step is None and exact.evaluating:
         # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
         # fill the last batch dropped); every rank adds the same loss, once.
-        text_all, other_all = exact.gather_rows((text.detach(), other.detach()))
+        text_all, other_all = _gathered(exact, text.detach(), other.detach())
         loss = head.variant.loss(source, text_all, other_all)
         exact._eval_totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
         return loss, _outputs(head, text, other, return_outputs)
     world = exact.num_processes
     loss = head.variant.loss(source, *(_everyones(part, world) for part in (text, other)))
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
+
+
+def _gathered(exact, text: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's evaluation rows, each once: by the caller's `gather_embeddings`, else as they are (padding cut)."""
+    if exact.gather_embeddings is not None:
+        return exact.gather_embeddings((text, other))
+    if exact.num_processes == 1:
+        return text, other
+    return torch.cat(all_gather_rows(text)), torch.cat(all_gather_rows(other))
 
 
 def _model_inputs(inputs: dict) -> tuple[dict, int | None]:

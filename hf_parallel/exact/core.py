@@ -59,6 +59,10 @@ class ExactLoss:
             when the head of that model is not cached yet.
         fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's stock loss when
             `None`).
+        gather_embeddings (`Callable`, *optional*): gathers a contrastive model's per-row embeddings (a tuple) from
+            all ranks in evaluation, dropping the rows a distributed sampler duplicated (the Trainer: accelerate's
+            `gather_for_metrics`); when not given, every rank's rows are gathered as they are (the caller marks the
+            padding rows, which are cut first).
         contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
             loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
             (`"micro_batch"`, as stock); see `hf_parallel.exact.contrastive`.
@@ -75,6 +79,7 @@ class ExactLoss:
         unwrap: Callable[[nn.Module], nn.Module] | None = None,
         fallback: str | None = None,
         contrastive_negatives: str = "step",
+        gather_embeddings: Callable[[Any], Any] | None = None,
     ):
         if contrastive_negatives not in CONTRASTIVE_NEGATIVES:
             raise ValueError(
@@ -94,6 +99,7 @@ class ExactLoss:
         )
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self.contrastive_negatives = contrastive_negatives
+        self.gather_embeddings = gather_embeddings
         #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.contrastive`): checked, its cache.
         self.coupled: dict[tuple, dict] = {}
         #: The check of each model's head against the model's own loss.
