@@ -4,6 +4,10 @@ in one table, so that an upgrade that changes one fails a test (tests/test_upstr
 
 Public hooks are overridden with their exact signatures; private ones (`_`-prefixed) only where no public hook
 exists. Attributes are read or set around a call to the stock method (`temporarily`).
+
+`CHECKED_IN` names the releases in which every row was checked: CI (.ci/run) runs the whole suite on transformers
+5.19.0 (the oldest supported) and on what a fresh install resolves to (5.25.0 when this was written), and
+tests/test_upstream.py, tests/test_fsdp2.py and tests/test_resume.py on 5.24.0 as well.
 """
 
 from __future__ import annotations
@@ -12,7 +16,21 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["HOOKS", "INSTANCE_ATTRIBUTES", "SHARD_ATTRIBUTES", "TRAINING_ATTRIBUTES", "Hook", "temporarily"]
+__all__ = [
+    "CALLED",
+    "CHECKED_IN",
+    "GRADIENT_STATE_ATTRIBUTES",
+    "HOOKS",
+    "INSTANCE_ATTRIBUTES",
+    "NOT_OVERRIDDEN",
+    "SHARD_ATTRIBUTES",
+    "TRAINING_ATTRIBUTES",
+    "Hook",
+    "temporarily",
+]
+
+# (transformers, accelerate) pairs in which every row of this module was checked (tests/test_upstream.py in CI).
+CHECKED_IN = (("5.19.0", "1.15.0"), ("5.24.0", "1.16.0"), ("5.25.0", "1.16.0"))
 
 
 class Hook(NamedTuple):
@@ -49,6 +67,24 @@ HOOKS = (
     ),
 )
 
+# Methods of the stock Trainer that hf_parallel calls without overriding them: (name, parameters, why).
+CALLED = (
+    ("get_tp_size", ("self",), "tensor parallelism shares batches across ranks: no exact loss"),
+    ("get_cp_size", ("self",), "context parallelism shares batches across ranks: no exact loss"),
+    ("get_sp_size", ("self",), "sequence parallelism shares batches across ranks: no exact loss"),
+    ("compute_loss_context_manager", ("self",), "Seq2SeqTrainer's exact eval_loss next to generation"),
+    ("_prepare_inputs", ("self", "inputs"), "Seq2SeqTrainer's exact eval_loss next to generation"),
+)
+# Hooks of newer releases that hf_parallel leaves to stock, with the release that added them and why stock's is right.
+NOT_OVERRIDDEN = (
+    (
+        "get_resumed_dataloader",
+        "5.25.0",
+        "resuming mid-epoch skips the trained batches with accelerate's skip_first_batches, which keeps the epoch's "
+        "remainder (accelerate >= 1.16): the exact loss of the rest of the epoch holds (tests/test_resume.py)",
+    ),
+)
+
 # Attributes of a constructed Trainer (or of what it holds) that hf_parallel reads or sets: (owner, name, why).
 INSTANCE_ATTRIBUTES = (
     ("trainer", "loss_is_scaled_for_ga", "set while the exact loss is already divided by the step's count"),
@@ -60,7 +96,16 @@ INSTANCE_ATTRIBUTES = (
     ("accelerator", "_models", "accelerate's prepared models: the DDP wrapper lives there too"),
     ("accelerator", "gradient_state", "the active dataloader: at its end, which samples of its last batch are real"),
     ("accelerator", "mixed_precision", "the autocast dtype inside DataParallel replicas (no prepare for DP)"),
+    ("accelerator", "num_processes", "the data-parallel size: S / C is scaled by it (DDP and FSDP average gradients)"),
+    ("accelerator", "process_index", "which rows of the epoch's last batch are this rank's real ones"),
+    ("accelerator", "distributed_type", "what runs: DDP, FSDP, DeepSpeed, one process (the sharding downgrade)"),
+    ("accelerator", "even_batches", "whether the last batch of an epoch is padded with repeated rows"),
+    ("trainer", "is_fsdp_enabled", "no plain state-dict loading of an FSDP checkpoint"),
+    ("trainer", "is_deepspeed_enabled", "no plain state-dict loading of a DeepSpeed checkpoint"),
+    ("trainer", "callback_handler", "Gpu0BszAdvisorCallback gets the exact loss's settled head"),
 )
+# Attributes of accelerate's `GradientState` that `hf_parallel.exact.remainder` and `streams` read at an epoch's end.
+GRADIENT_STATE_ATTRIBUTES = ("active_dataloader", "end_of_dataloader", "remainder", "num_steps")
 # Attributes of accelerate's `IterableDatasetShard` (an iterable dataset each rank reads itself) that
 # `hf_parallel.exact.streams` reads, or sets (`dataset`), to count its samples.
 SHARD_ATTRIBUTES = ("dataset", "batch_size", "num_processes", "split_batches", "drop_last")

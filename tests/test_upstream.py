@@ -7,10 +7,21 @@ import inspect
 
 import pytest
 import transformers
+from packaging.version import Version
 
 from hf_parallel import Seq2SeqTrainer, Trainer, TrainerMixin
-from hf_parallel.upstream import HOOKS, INSTANCE_ATTRIBUTES, TRAINING_ATTRIBUTES, temporarily
+from hf_parallel.upstream import (
+    CALLED,
+    CHECKED_IN,
+    GRADIENT_STATE_ATTRIBUTES,
+    HOOKS,
+    INSTANCE_ATTRIBUTES,
+    NOT_OVERRIDDEN,
+    TRAINING_ATTRIBUTES,
+    temporarily,
+)
 from tests.harness import training_args
+from tests.paths import ROOT
 from tests.tiny import classification_rows, tiny_bert_classifier
 
 OURS = {"Trainer": Trainer, "Seq2SeqTrainer": Seq2SeqTrainer}
@@ -61,3 +72,31 @@ def test_temporarily_restores_even_on_error():
         assert box.value == 2
         raise RuntimeError
     assert box.value == 1
+
+
+@pytest.mark.parametrize(("name", "parameters", "why"), CALLED, ids=[row[0] for row in CALLED])
+def test_called_methods_exist_with_their_parameters(name, parameters, why):
+    stock = Seq2SeqTrainer if name in ("compute_loss_context_manager", "_prepare_inputs") else transformers.Trainer
+    assert tuple(inspect.signature(getattr(stock, name)).parameters) == parameters, f"{name} changed ({why})"
+
+
+@pytest.mark.parametrize(("name", "since", "why"), NOT_OVERRIDDEN, ids=[row[0] for row in NOT_OVERRIDDEN])
+def test_newer_hooks_are_left_to_stock(name, since, why):
+    # Present from `since` on, and never overridden by hf_parallel (a change there needs its own test first).
+    assert hasattr(transformers.Trainer, name) == (Version(transformers.__version__) >= Version(since)), name
+    assert name not in vars(TrainerMixin), f"{name} is overridden now: move it to HOOKS ({why})"
+
+
+def test_gradient_state_attributes_exist():
+    from accelerate.state import GradientState
+
+    state = GradientState()
+    for name in GRADIENT_STATE_ATTRIBUTES:
+        assert hasattr(state, name), f"accelerate's GradientState.{name} is gone"
+
+
+def test_ci_checks_the_releases_the_table_names():
+    run = (ROOT / ".ci" / "run").read_text()
+    for transformers_version, accelerate_version in CHECKED_IN:
+        assert f"transformers=={transformers_version}" in run or transformers_version == CHECKED_IN[-1][0], run
+        assert f"accelerate=={accelerate_version}" in run or accelerate_version == CHECKED_IN[-1][1]
