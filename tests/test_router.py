@@ -163,5 +163,8 @@ def test_router_balance_reads_the_model_and_checks_its_sizes():
     with pytest.raises(ValueError, match="top_k=5"):
         RouterBalance(4, 5, 0.1)
     # A MoE classifier adds no router term to its loss: its head has none (the check confirms the plain loss).
-    classifier = MixtralForSequenceClassification(tiny(MixtralConfig, num_local_experts=4, output_router_logits=True))
+    config = tiny(
+        MixtralConfig, num_local_experts=4, output_router_logits=True, problem_type="single_label_classification"
+    )
+    classifier = MixtralForSequenceClassification(config)
     assert resolve_head(classifier).router is None
