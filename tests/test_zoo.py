@@ -68,9 +68,9 @@ MEDIA_SAMPLE = {
     "ViTForMaskedImageModeling": ("fallback", "silent"),
 }
 ZOO = {model.name: model for model in zoo_models([*HEAD_KINDS])}  # each class under its own kind
-# Batch-coupled losses (ours; stock is never exact): contrastive dual encoders under gradient accumulation (the cached two-pass;
-# stock scores each micro-batch against itself), and MoE LMs with their router loss on under DataParallel (stock
-# averages the replicas' router terms, or cannot gather the router logits its replicas recorded twice).
+# Batch-coupled losses (ours; stock is never exact): contrastive dual encoders under gradient accumulation (the cached
+# two-pass; stock scores each micro-batch against itself), and MoE LMs with their router loss on under DataParallel
+# (stock averages the replicas' router terms, or cannot gather the router logits its replicas recorded twice).
 COUPLED_SAMPLE = {
     ("CLIPModel", "zero_shot_image_classification"): "exact",
     ("SiglipModel", "zero_shot_image_classification"): "exact",
