@@ -8,7 +8,7 @@ gradient off by 60 % of its norm). No count fixes that, so the loss is computed 
 
 - **DataParallel**: each replica returns only its rows' two embeddings (`[rows, dim]`, cheap); the loss is computed
   on GPU 0 from all of them, and its gradient flows back into the replicas through torch's gather.
-- **DDP / FSDP**: the embeddings of every rank are gathered (without gradient) and this rank's own rows put back in
+- **DDP**: the embeddings of every rank are gathered (without gradient) and this rank's own rows put back in
   their place with their graph; each rank computes the loss of the whole batch. The gradient of this rank's rows is
   scaled by the world size, which DDP's averaging divides again; the loss's own parameters (the logit scale, SigLIP's
   bias) get the whole loss's gradient on every rank, which averaging keeps.
@@ -17,7 +17,7 @@ gradient off by 60 % of its norm). No count fixes that, so the loss is computed 
   activations kept); the whole step's loss and its gradient with respect to every embedding (and to the loss's own
   parameters) are computed once; then each micro-batch runs again with gradient, under the random state of its first
   pass (so dropout draws the same masks), and back-propagates `sum(embedding * cached gradient)`: the gradient of the
-  whole step's loss. Its cost is the forward without gradient of each micro-batch, about a third of a training step.
+  whole step's loss. Its cost is one more forward without gradient per micro-batch (`benchmarks.contrastive`).
   `contrastive_negatives="micro_batch"` keeps stock's per-micro-batch negatives instead (with a warning).
 
 The model judges the reconstruction: the first forward asks for the model's own loss on its rows (each replica's,
