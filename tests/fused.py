@@ -148,12 +148,14 @@ def fused_forward(
                 num_items_in_batch=num_items_in_batch,
                 shift_labels=shift_labels,
             )
+    # The cache's key: `cache` from transformers 5.2x, `past_key_values` before (5.19).
+    cache_key = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     return CausalLMOutputWithPast(
         loss=loss,
         logits=logits,
-        cache=getattr(outputs, "cache", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        **{cache_key: getattr(outputs, cache_key, None)},
     )
 
 

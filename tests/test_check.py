@@ -143,8 +143,17 @@ REAL_SIZE_CASES = {
 }
 
 
-@pytest.mark.parametrize("topology", [GA2, DP2], ids=["GA2", "DP2"])
-@pytest.mark.parametrize("name", sorted(REAL_SIZE_CASES))
+# T5 under DataParallel (16 s) is a rarer row, behind `full`: BART covers a plain-mean loss there, T5 under GA.
+@pytest.mark.parametrize(
+    ("name", "topology"),
+    [
+        pytest.param(
+            name, topology, id=f"{name}-{label}", marks=[pytest.mark.full] if (name, label) == ("t5", "DP2") else []
+        )
+        for name in sorted(REAL_SIZE_CASES)
+        for topology, label in ((GA2, "GA2"), (DP2, "DP2"))
+    ],
+)
 def test_real_size_step_is_exact_whether_the_loss_honours_the_count(name, topology):
     """Over 8,000 items per step, in gradient accumulation and in emulated DataParallel (each replica checks)."""
     build, rows = REAL_SIZE_CASES[name]

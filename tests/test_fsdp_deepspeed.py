@@ -215,7 +215,7 @@ def test_deepspeed_zero2_on_two_gpus_equals_one_process(gpu_reference, tmp_path)
 # ---- On CPUs --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 15 s; tests/test_fsdp2.py checks the downgrade warning and FSDP2 itself on CPU ranks
 def test_fsdp_with_use_cpu_trains_with_ddp_exactly(tmp_path):
     results = launch("cpu_fsdp", tmp_path, **NO_GPUS)
     # One process's runs, as dicts like the launched ranks' reports (and the GPU reference's).

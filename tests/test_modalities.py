@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_parallel
 from hf_parallel.exact import resolve_head
-from hf_parallel.exact.ctc import LossCallWatch
+from hf_parallel.exact.ctc import CTCHead, LossCallWatch
 from hf_parallel.exact.fallback import sums_its_loss
 from hf_parallel.exact.resolve import UnsupportedHead
 from tests.harness import (
@@ -172,8 +172,14 @@ def test_loss_call_watch_gives_the_model_its_loss_function_back():
     model(**batch)
     seen = watch.take()
     watch.remove()
-    assert seen["logit_lengths"].shape == (3,)
-    assert watch.take() == {}  # taken once
+    if seen:  # transformers 5.2x: the model passes them to its loss_function
+        assert watch.take() == {}  # taken once
+    else:  # transformers 5.19 computes its CTC loss inline: the head takes them as the model computes them
+        seen = CTCHead.inferred_call(model, batch)
+    assert (
+        seen["logit_lengths"].tolist()
+        == model._get_feat_extract_output_lengths(batch["attention_mask"].sum(-1)).tolist()
+    )
     assert model.loss_function is before
     assert "_loss_function" not in vars(model)
 

@@ -99,6 +99,21 @@ class CTCHead(LossHead):
         self.blank, self.reduction, self.zero_infinity = blank, reduction, bool(zero_infinity)
         self.summed = reduction == "sum"
 
+    @staticmethod
+    def inferred_call(model, inputs: dict) -> dict:
+        """
+        `logit_lengths` as a model that computes its CTC loss inline (transformers before 5.2x, which has no
+        `loss_function` for CTC) computes them: the frames of each utterance's unmasked samples,
+        `_get_feat_extract_output_lengths(attention_mask.sum(-1))`; empty where the model has no such method.
+        """
+        frames = getattr(model, "_get_feat_extract_output_lengths", None)
+        values = inputs.get(getattr(model, "main_input_name", "input_values"), inputs.get("input_values"))
+        if not callable(frames) or not torch.is_tensor(values):
+            return {}
+        mask = inputs.get("attention_mask")
+        samples = mask.sum(-1) if torch.is_tensor(mask) else torch.full(values.shape[:1], values.shape[-1])
+        return {"logit_lengths": frames(samples.to(values.device)).to(torch.long)}
+
     def count(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> torch.Tensor:
         """The utterances: every row is one, with or without targets (torch's mean divides by the batch)."""
         target = labels["labels"]

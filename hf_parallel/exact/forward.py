@@ -201,7 +201,11 @@ class _Forward:
             extra = {**extra, "num_items_in_batch": count}
         outputs = run(**inputs, **extra)
         if self.loss_call is not None:
-            labels = {**labels, LOSS_CALL_KEY: self.loss_call.take()}
+            seen = self.loss_call.take()
+            if not seen and callable(getattr(head, "inferred_call", None)):
+                # A model that computes its loss inline passes nothing: its arguments as it computes them.
+                seen = head.inferred_call(getattr(run, "module", run), inputs)
+            labels = {**labels, LOSS_CALL_KEY: seen}
         from_loss = False
         if self.own or (self.probe and fused_outputs(outputs)):
             terms = model_terms(head, outputs, labels, seq_len, count)
