@@ -93,6 +93,12 @@ class Topology:
 
 
 SINGLE = Topology("single 2B", per_device=TRAIN_ROWS)
+# The topologies of the modality, router and contrastive matrices: each sees the 2B rows of SINGLE in one step.
+GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
+DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
+DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
+DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
+DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
 
 
 class Capture(transformers.TrainerCallback):

@@ -24,11 +24,15 @@ from hf_parallel.exact.resolve import UnsupportedHead
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.contrastive import CASES, _clip, clip_rows, collate
 from tests.harness import (
+    DDP2,
+    DDP2_GA2,
+    DP2,
+    DP3_GPU0,
     EVAL_ROWS,
+    GA2,
     SINGLE,
     TRAIN_ROWS,
     RunResult,
-    Topology,
     max_relative_diff,
     record_hf_parallel_log,
     run_case,
@@ -38,11 +42,6 @@ from tests.heads import Case
 
 TOL = 1e-5
 EVAL_BATCH = 2  # harness.SGD_STEP's per_device_eval_batch_size
-GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
-DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
-DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
-DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
 
 _single: dict[str, RunResult] = {}
 

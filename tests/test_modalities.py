@@ -25,10 +25,14 @@ from hf_parallel.exact.ctc import CTCHead, LossCallWatch
 from hf_parallel.exact.fallback import sums_its_loss
 from hf_parallel.exact.resolve import UnsupportedHead
 from tests.harness import (
+    DDP2,
+    DDP2_GA2,
+    DP2,
+    DP3_GPU0,
+    GA2,
     SINGLE,
     TRAIN_ROWS,
     RunResult,
-    Topology,
     assert_equivalent,
     max_relative_diff,
     record_hf_parallel_log,
@@ -39,11 +43,6 @@ from tests.modalities import CASES, _segformer, _wav2vec2, ctc_rows
 from tests.tiny import tiny
 
 TOL = 1e-5
-GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
-DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
-DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
-DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
-DDP2_GA2 = Topology("DDP 2 x grad-accum 2", per_device=TRAIN_ROWS // 4, accumulation=2, processes=2)
 # Stock's loss under gradient accumulation 2, over one device's: x2 where the model averages its own loss and its
 # forward takes **kwargs (stock then neither divides by the accumulation steps nor sees the count ignored); exact for
 # a summed CTC loss, which nothing divides; LLaVA's loss honours the count.

@@ -18,11 +18,14 @@ from hf_parallel import ExactLoop
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.router import RouterBalance, router_balance_of
 from tests.harness import (
+    DDP2,
+    DP2,
+    DP3_GPU0,
     EVAL_ROWS,
+    GA2,
     SINGLE,
     TRAIN_ROWS,
     RunResult,
-    Topology,
     assert_equivalent,
     max_relative_diff,
     record_hf_parallel_log,
@@ -33,10 +36,6 @@ from tests.moe import CASES, ROUTER_COEF
 from tests.tiny import tiny
 
 TOL = 1e-5
-GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
-DP2 = Topology("DP 2", per_device=TRAIN_ROWS // 2, dp_devices=2)
-DP3_GPU0 = Topology("DP 3 balanced gpu0_bsz=1", per_device=3, dp_devices=3, gpu0_bsz=1)
-DDP2 = Topology("DDP 2", per_device=TRAIN_ROWS // 2, processes=2)
 
 _single: dict[str, RunResult] = {}
 
