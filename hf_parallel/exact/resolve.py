@@ -56,9 +56,10 @@ MULTIMODAL_LM = _class_names(
 )
 # Contrastive dual encoders (`return_loss=True`): each row's loss depends on every other row of the batch, so they are
 # computed on the whole step's embeddings (`hf_parallel.exact.contrastive`). The zero-shot image classifiers, and the
-# dual encoders of other modalities that the mappings file elsewhere.
+# dual encoders of other modalities that the mappings file elsewhere. Not X-CLIP: it scores each video against text
+# embeddings made for that video (`[videos, texts, dim]`), which no gather of two embedding tables reproduces.
 CONTRASTIVE = _class_names("MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES") | frozenset(
-    {"ClapModel", "GroupViTModel", "VisionTextDualEncoderModel", "XCLIPModel", "OwlViTModel", "Owlv2Model"}
+    {"ClapModel", "GroupViTModel", "VisionTextDualEncoderModel", "OwlViTModel", "Owlv2Model"}
 )
 # Losses that are not a sum over items, by mapping: why each stays on the stock loss.
 NOT_A_SUM = {
