@@ -232,7 +232,9 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
             "per micro-batch."
         )
     if two_pass:
-        return _second_pass(exact, model, owner, head, inputs, batch, real, step, context, state, return_outputs)
+        return _second_pass(
+            exact, model, owner, source, head, inputs, batch, real, step, context, state, return_outputs
+        )
     text, other, own, recomputed = _forward(exact, model, head, batch, context, not state["checked"], source)
     if not state["checked"] and not _verdict(exact, owner, head, own, recomputed, state):
         return own.mean() / micro_batches, _outputs(head, text, other, return_outputs)
@@ -375,13 +377,13 @@ def _equal(own: Any, given: torch.Tensor) -> bool:
     return torch.is_tensor(own) and own.shape == given.shape and torch.equal(own.to(given.device), given)
 
 
-def _first_pass(exact, model, owner, head, step, context, state) -> _Cache | None:
+def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cache | None:
     """Embed every micro-batch of the step without gradient, then the whole step's loss and its gradients (None: the
     check fell back to the stock loss)."""
     counted = exact._counted
     if counted is None or counted[0] is not step:
         raise RuntimeError("contrastive loss: the step's micro-batches were not counted (ExactLoss.count_step).")
-    batches, source = counted[1], exact.unwrap(owner)
+    batches = counted[1]
     random_states, texts, others = [], [], []
     for batch in batches:
         random_states.append(_random_state())
@@ -409,21 +411,20 @@ def _first_pass(exact, model, owner, head, step, context, state) -> _Cache | Non
     return _Cache(step, batches, per_batch, list(gradients[2:]), loss.detach(), random_states)
 
 
-def _second_pass(exact, model, owner, head, inputs, batch, real, step, context, state, return_outputs):
+def _second_pass(exact, model, owner, source, head, inputs, batch, real, step, context, state, return_outputs):
     """This micro-batch again, with gradient: `sum(embeddings x cached gradients)` back-propagates the whole step's
     gradient through it; its value is the step's loss over its micro-batches."""
     cache = state["cache"]
     if cache is None or cache.step is not step:
-        cache = state["cache"] = _first_pass(exact, model, owner, head, step, context, state)
+        cache = state["cache"] = _first_pass(exact, model, owner, source, head, step, context, state)
         if cache is None:  # the check fell back: this micro-batch's own loss, as stock
-            text, other, own, _ = _forward(exact, model, head, batch, context, True, exact.unwrap(owner))
+            text, other, own, _ = _forward(exact, model, head, batch, context, True, source)
             return own.mean() / step.micro_batches, _outputs(head, text, other, return_outputs)
     index = _index_in_step(cache.batches, inputs)
     _set_random_state(cache.random_states[index])
-    text, other, _, _ = _forward(exact, model, head, batch, context, False, exact.unwrap(owner))
+    text, other, _, _ = _forward(exact, model, head, batch, context, False, source)
     text_gradient, other_gradient = cache.gradients[index]
     surrogate = (text[:real] * text_gradient).sum() + (other[:real] * other_gradient).sum()
-    source = exact.unwrap(owner)
     for name, gradient in zip(head.variant.parameters, cache.parameter_gradients, strict=True):
         # The loss's own parameters: the whole gradient over the step, a 1/G share per micro-batch.
         surrogate = surrogate + (getattr(source, name) * gradient).sum() / step.micro_batches
