@@ -27,6 +27,7 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
+from .exact.replicas import gathering_as_torch
 from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_inputs
 
@@ -147,6 +148,7 @@ class BalancedDataParallel(ExactDataParallel):
         """Rows of a batch of `batch_size` rows given to each entry of `device_ids`."""
         return balanced_chunk_sizes(batch_size, len(self.device_ids), self.gpu0_bsz, self.gpu0_weight)
 
+    @gathering_as_torch  # torch's scatter, replicas, parallel_apply and gather: what replicas return arrives as is
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if len(self.device_ids) <= 1:
             return super().forward(*inputs, **kwargs)

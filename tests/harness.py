@@ -155,6 +155,7 @@ def run_case(
     iterable: bool = False,
     callbacks: tuple = (),
     classes: tuple[type, type] | None = None,
+    data_parallel: type | None = None,
     **overrides,
 ) -> dict:
     """
@@ -166,6 +167,8 @@ def run_case(
     Under emulated DataParallel, `result.emulation` holds its records (chunk sizes, bytes gathered).
     `iterable` trains on the rows as an iterable dataset (no length), which accelerate dispatches from rank 0 under
     DDP. `classes` (a Trainer and an arguments class) replaces hf_parallel's (or, with `stock`, transformers').
+    `data_parallel` (a `torch.nn.DataParallel` subclass) stands in for `torch.nn.DataParallel` instead of the
+    emulation, under a topology with `dp_devices`.
     """
     case = CASES[case] if isinstance(case, str) else case
     if classes is not None:
@@ -191,6 +194,8 @@ def run_case(
         simulation = (
             simulate_data_parallel(topology.dp_devices) if topology.dp_devices > 1 else contextlib.nullcontext()
         )
+        if data_parallel is not None:
+            simulation = _standing_in(data_parallel)
         eval_loss = None
         with simulation as emulation:
             if eval_rows and evaluate_first:
@@ -212,6 +217,14 @@ def run_case(
             trainer=trainer,
             emulation=emulation,
         )
+
+
+@contextlib.contextmanager
+def _standing_in(data_parallel: type) -> Iterator[None]:
+    """`torch.nn.DataParallel` is `data_parallel` within the block (the class the stock Trainer wraps a model in)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn, "DataParallel", data_parallel)
+        yield None
 
 
 def runs_worker(runs: dict[str, tuple[str, Topology, bool, dict]], out_dir: str) -> None:

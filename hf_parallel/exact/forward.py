@@ -47,7 +47,15 @@ from .ctc import LOSS_CALL_KEY, LossCallWatch
 from .decoder import decoder_input_ids, needs_decoder_inputs
 from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
-from .replicas import is_data_parallel, outputs_device, run_in_replicas, takes_use_cache, without_cache
+from .replicas import (
+    Reporting,
+    gathers_as_torch,
+    is_data_parallel,
+    outputs_device,
+    run_in_replicas,
+    takes_use_cache,
+    without_cache,
+)
 
 __all__ = [
     "RunContext",
@@ -153,9 +161,9 @@ def micro_batch_loss(
         if not data_parallel:
             terms, outputs = run(model, inputs, labels)
         else:
-            if not run.keep and "use_cache" not in inputs and takes_use_cache(model.module):
-                inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
-            terms, outputs = run_in_replicas(model, run, inputs, labels, context.autocast_dtype)
+            terms, outputs = _in_replicas(exact, model, run, inputs, labels, context.autocast_dtype)
+    if check is not None and terms.check is None:
+        check = None  # no replica ran the check (`_ReplicasReport`): it stays pending
     if check is not None:
         head, terms = exact.settle(check, owner, terms, given)
         step = exact.current_counts(given)
@@ -168,6 +176,63 @@ def micro_batch_loss(
     return loss, outputs
 
 
+def _in_replicas(exact, wrapper: nn.DataParallel, run: _Forward, inputs: dict, labels: dict, autocast_dtype):
+    """`run` in every replica of `wrapper` (`run_in_replicas`): its `Terms` and the outputs it keeps."""
+    if not gathers_as_torch(wrapper):
+        # A forward of its own splits the batch as it likes: only the tensors of the batch go in, as under stock.
+        return run_in_replicas(
+            wrapper, run, inputs, labels, autocast_dtype, _ReplicasReport(exact, run, inputs, labels)
+        )
+    if not run.keep and "use_cache" not in inputs and takes_use_cache(wrapper.module):
+        inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
+    return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype)
+
+
+class _ReplicasReport(Reporting):
+    """
+    How the replicas of a DataParallel wrapper with a forward of its own (a subclass that splits and gathers as it
+    likes) send their `Terms`: to hf_parallel directly, past the wrapper's gather, which may not keep a NamedTuple's
+    type. The wrapper gathers only what it gathers under stock: the model's outputs where they are kept (and from
+    there they are taken, in the wrapper's order), an empty dict otherwise. A forward that never calls its `module`
+    returns the model's outputs on the whole batch, given its labels: the terms are computed from them, where they
+    were gathered (exact, at the cost of the whole batch's outputs there), warned once.
+    """
+
+    def __init__(self, exact, run: _Forward, inputs: dict, labels: dict):
+        super().__init__()
+        self.exact, self.run, self.inputs, self.labels = exact, run, inputs, labels
+
+    def kept(self, result: tuple[Terms, Any]) -> Terms:
+        return result[0]
+
+    def shown(self, result: tuple[Terms, Any]) -> Any:
+        return result[1] if result[1] is not None else {}
+
+    def merged(self, gathered: Terms | None, returned: Any) -> tuple[Terms, Any]:
+        if gathered is not None:
+            return gathered, (returned if self.run.keep else None)
+        run = self.run
+        self.exact.warn_once(
+            "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas cannot "
+            "compute their own loss terms; the loss is computed from the outputs the wrapper gathered (exact, but the "
+            "whole batch's logits are gathered on the first device)."
+            + (" The model's own loss is not checked against the head." if run.check is not None else "")
+        )
+        plain = _Forward(self.exact, run.head, run.loss_func, run.total, run.step, run.context, None, False)
+        plain.keep = run.keep
+        return plain(_Returned(returned), self.inputs, self.labels)
+
+
+class _Returned:
+    """Stands for a model already called: returns `outputs` whatever it is given."""
+
+    def __init__(self, outputs: Any):
+        self.outputs = outputs
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.outputs
+
+
 class _Forward:
     """
     One forward and its `Terms`, run where the outputs are: in the caller, or in each DataParallel replica on its
@@ -176,7 +241,7 @@ class _Forward:
 
     def __init__(self, exact, head, loss_func, total, step, context: RunContext, check, probe: bool):
         self.exact, self.head, self.loss_func, self.total, self.step = exact, head, loss_func, total, step
-        self.main_input_name, self.check, self.probe = context.main_input_name, check, probe
+        self.context, self.main_input_name, self.check, self.probe = context, context.main_input_name, check, probe
         self.own = head.route is Route.MODEL_LOSS
         self.keep = False
         self.drop_cache = False

@@ -12,6 +12,11 @@ The wrapper replicates whatever its `module` is at call time, so for one call `m
 model: the labels are scattered with the same chunk sizes as the inputs, and each replica runs the step function on
 its chunk. The parameters are the model's, so gradients flow back to them as they do for the model itself.
 
+A wrapper whose class defines its own `forward` (a subclass that splits the batch and gathers the outputs its own way)
+may gather what a replica returns differently from torch (a NamedTuple rebuilt from a generator, say). Its replicas
+report their results to `run_in_replicas` directly, and hand the wrapper only what it would gather under stock: the
+model's outputs where they are kept, an empty dict otherwise (`Reporting`).
+
 Mixed precision: transformers applies autocast through accelerate's `prepare`, which it skips for a model it wrapped
 in `nn.DataParallel`; and torch's `parallel_apply` carries only autocast's *enabled* flag into the replica threads,
 where the default dtype of CUDA autocast is float16 (a bf16 run would compute in fp16, without a loss scaler). A
@@ -34,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
@@ -41,6 +47,7 @@ from typing import Any
 import torch
 from accelerate.utils import convert_to_fp32
 from torch import nn
+from torch.nn.parallel.data_parallel import DataParallel as _TorchDataParallel
 from transformers.cache_utils import Cache
 
 from ..upstream import temporarily
@@ -48,6 +55,10 @@ from ..upstream import temporarily
 __all__ = [
     "AUTOCAST_DTYPES",
     "ReplicaStep",
+    "Reporting",
+    "gather_reports",
+    "gathering_as_torch",
+    "gathers_as_torch",
     "is_data_parallel",
     "outputs_device",
     "replica_autocast",
@@ -66,9 +77,87 @@ _CACHE_KEYS = ("cache", "past_key_values", "cache_params")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: The attribute that marks a DataParallel `forward` as gathering its replicas' results with torch's `gather`.
+_GATHERS_AS_TORCH = "_hf_parallel_gathers_as_torch"
+
+
 def is_data_parallel(model: Any) -> bool:
-    """Whether `model` is an `nn.DataParallel` wrapper (torch's, `ExactDataParallel`, `BalancedDataParallel`)."""
-    return isinstance(model, nn.DataParallel)
+    """Whether `model` is an `nn.DataParallel` wrapper (torch's, `ExactDataParallel`, `BalancedDataParallel`, any
+    subclass). torch's class itself, not `torch.nn.DataParallel` as looked up now (which code may have replaced)."""
+    return isinstance(model, _TorchDataParallel)
+
+
+def gathers_as_torch(wrapper: nn.DataParallel) -> bool:
+    """
+    Whether `wrapper`'s forward hands the output device what its replicas return as torch's `gather` does (types
+    kept, a NamedTuple included): torch's own `DataParallel.forward`, or one marked with `gathering_as_torch`. A
+    subclass with a forward of its own is not trusted to (see `Reporting`).
+    """
+    forward = type(wrapper).forward
+    return forward is _TorchDataParallel.forward or getattr(forward, _GATHERS_AS_TORCH, False)
+
+
+def gathering_as_torch(forward: Callable) -> Callable:
+    """Mark a DataParallel subclass's `forward` as gathering with torch's `gather` (`gathers_as_torch`)."""
+    setattr(forward, _GATHERS_AS_TORCH, True)
+    return forward
+
+
+class Reporting:
+    """
+    How the replicas of a wrapper with a forward of its own (`gathers_as_torch` is False) send their results: each
+    keeps `kept(result)` in `results` (the lock guards replica threads) and hands the wrapper `shown(result)`, to
+    gather as it gathers model outputs. After the call, `merged(gathered, returned)` makes the result of
+    `run_in_replicas` from the kept results, gathered on the output device (None where no replica ran: the wrapper's
+    forward did not call its `module`), and from what the wrapper returned. Subclasses change the three; by default
+    a replica keeps all of its result and hands the wrapper an empty dict, and the result is the kept one, gathered.
+    """
+
+    def __init__(self):
+        self.results: list[Any] = []
+        self._lock = threading.Lock()
+
+    def report(self, result: Any) -> Any:
+        with self._lock:
+            self.results.append(self.kept(result))
+        return self.shown(result)
+
+    def kept(self, result: Any) -> Any:
+        return result
+
+    def shown(self, result: Any) -> Any:
+        return {}
+
+    def merged(self, gathered: Any, returned: Any) -> Any:
+        if gathered is None:
+            raise RuntimeError(
+                "The DataParallel wrapper's forward did not call its `module`, so no replica ran hf_parallel's step. "
+                "Call self.module (or replicas of it) in the forward, or set exact_loss=False."
+            )
+        return gathered
+
+
+def gather_reports(results: list[Any], device: torch.device | None) -> Any:
+    """
+    The replicas' results as torch's `gather` would hand them to `device` (None: where the first tensor is): tensors
+    concatenated along dim 0 (0-dim ones stacked), dicts by key, NamedTuples and sequences field by field, None kept;
+    through `.to(device)`, so gradients flow back to each replica. Replicas that ran one after another report in the
+    order of their rows; threads report as they finish (training sums the terms, whatever their order).
+    """
+    first = results[0]
+    if torch.is_tensor(first):
+        target = device if device is not None else first.device
+        moved = [result.to(target) for result in results]
+        return torch.stack(moved) if first.dim() == 0 else torch.cat(moved)
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return type(first)(**{key: gather_reports([result[key] for result in results], device) for key in first})
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)._make(gather_reports(list(parts), device) for parts in zip(*results, strict=True))
+    if isinstance(first, (tuple, list)):
+        return type(first)(gather_reports(list(parts), device) for parts in zip(*results, strict=True))
+    return first
 
 
 class ReplicaStep(nn.Module):
@@ -88,6 +177,8 @@ class ReplicaStep(nn.Module):
         device_type (`str`, *optional*, defaults to `"cuda"`):
             The device type the replicas compute on (autocast's first argument). Given, not read from the
             replica: torch's replicas have no parameters (`next(replica.parameters())` raises `StopIteration`).
+        reporting (`Reporting`, *optional*):
+            Where the replicas report their results, past a wrapper's own gather; None: they return them.
     """
 
     def __init__(
@@ -97,6 +188,7 @@ class ReplicaStep(nn.Module):
         label_keys: tuple[str, ...] = (),
         autocast_dtype: torch.dtype | None = None,
         device_type: str = "cuda",
+        reporting: Reporting | None = None,
     ):
         super().__init__()
         self.model = model
@@ -104,10 +196,12 @@ class ReplicaStep(nn.Module):
         self.label_keys = label_keys
         self.autocast_dtype = autocast_dtype
         self.device_type = device_type
+        self.reporting = reporting  # shared by the replicas: torch copies a module's attributes shallowly
 
     def forward(self, **batch: Any) -> Any:
         labels = {key: batch.pop(key) for key in self.label_keys if key in batch}
-        return self.step(_Autocast(self.model, self.autocast_dtype, self.device_type), batch, labels)
+        result = self.step(_Autocast(self.model, self.autocast_dtype, self.device_type), batch, labels)
+        return result if self.reporting is None else self.reporting.report(result)
 
 
 class _Autocast:
@@ -133,6 +227,7 @@ def replica_step(
     step: Callable[[nn.Module, dict, dict], Any],
     label_keys: tuple[str, ...] = (),
     autocast_dtype: torch.dtype | None = None,
+    reporting: Reporting | None = None,
 ) -> ReplicaStep:
     """The `ReplicaStep` of `wrapper`'s model: its device type is that of the wrapper's devices."""
     if wrapper.device_ids:
@@ -140,7 +235,7 @@ def replica_step(
     else:  # no accelerator: the wrapper runs the model itself, where it is
         first = next(chain(wrapper.module.parameters(), wrapper.module.buffers()), None)
         device_type = first.device.type if first is not None else "cpu"
-    return ReplicaStep(wrapper.module, step, label_keys, autocast_dtype, device_type)
+    return ReplicaStep(wrapper.module, step, label_keys, autocast_dtype, device_type, reporting)
 
 
 def replica_autocast(mixed_precision: str | None) -> torch.dtype | None:
@@ -196,6 +291,7 @@ def run_in_replicas(
     inputs: dict,
     labels: dict,
     autocast_dtype: torch.dtype | None = None,
+    reporting: Reporting | None = None,
 ) -> Any:
     """
     Run `step(model, inputs, labels)` in every replica of `wrapper` on its chunk of `inputs` and `labels` (split
@@ -203,7 +299,7 @@ def run_in_replicas(
 
     Args:
         wrapper (`nn.DataParallel`):
-            The DataParallel wrapper (stock, balanced or simulated).
+            The DataParallel wrapper (stock, balanced, simulated, or a subclass with a forward of its own).
         step (`Callable`):
             Runs in each replica: `step(model, inputs, labels)`, `model` being callable like the model, under
             autocast when `autocast_dtype` is given.
@@ -213,13 +309,30 @@ def run_in_replicas(
             The labels (kept out of the model's inputs), split like the inputs.
         autocast_dtype (`torch.dtype`, *optional*):
             The dtype of the model's forward in the replicas.
+        reporting (`Reporting`, *optional*):
+            For a wrapper with a forward of its own, how its replicas report (`Reporting()` when not given); unused
+            for torch's forward, which gathers the replicas' results as they are.
     """
     overlap = set(inputs) & set(labels)
     if overlap:
         raise ValueError(f"Keys {sorted(overlap)} are both model inputs and labels; pass each once.")
-    replica = replica_step(wrapper, step, tuple(labels), autocast_dtype)
-    with replicating(wrapper, replica):
-        return wrapper(**inputs, **labels)
+    if gathers_as_torch(wrapper):
+        with replicating(wrapper, replica_step(wrapper, step, tuple(labels), autocast_dtype)):
+            return wrapper(**inputs, **labels)
+    reporting = reporting if reporting is not None else Reporting()
+    with replicating(wrapper, replica_step(wrapper, step, tuple(labels), autocast_dtype, reporting)):
+        returned = wrapper(**inputs, **labels)
+    if not reporting.results:
+        return reporting.merged(None, returned)
+    return reporting.merged(gather_reports(reporting.results, _output_device(wrapper)), returned)
+
+
+def _output_device(wrapper: nn.DataParallel) -> torch.device | None:
+    """Where torch's forward would gather: the wrapper's output device; None without devices (where the first result
+    is)."""
+    if not wrapper.device_ids:
+        return None
+    return torch.device(wrapper.src_device_obj.type, wrapper.output_device)
 
 
 def without_cache(outputs: Any) -> Any:
