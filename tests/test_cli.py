@@ -602,3 +602,14 @@ def test_config_plans_for_the_gpus_nvidia_smi_lists(driver, tmp_path, capsys):
     driver(SMI_OUTPUT)
     config, _, _ = _config(tmp_path, capsys)
     assert config.use_cpu is False and config.num_processes == 3 and config.gpu_ids == "all"
+
+
+@pytest.mark.gpu
+def test_env_reports_the_gpus_torch_sees(no_launcher, capsys):
+    import torch
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    count = torch.cuda.device_count()
+    assert f"GPUs visible: {count}" in out and f"cuda:0: {torch.cuda.get_device_name(0)}" in out
+    assert "one process on cpu" not in out and ("on cuda:0" in out or "nn.DataParallel over" in out), out

@@ -96,7 +96,10 @@ def _versions() -> list[str]:
         f"hf_parallel: {_version('hf-parallel')}",
         f"Python: {platform.python_version()} ({platform.platform()})",
     ]
-    lines.extend(f"{package}: {_version(package)}" for package in REPORTED_PACKAGES)
+    # torch as it reports itself: a CUDA build's distribution may be `2.11.0` where torch says `2.11.0+cu130`.
+    lines.extend(
+        f"{package}: {torch.__version__ if package == 'torch' else _version(package)}" for package in REPORTED_PACKAGES
+    )
     lines.append(f"torch CUDA build: {torch.version.cuda or 'none (CPU build)'}")
     return lines
 
