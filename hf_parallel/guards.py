@@ -32,6 +32,7 @@ __all__ = [
     "batch_statistics_split",
     "check_data_parallel",
     "check_launch",
+    "check_rank_has_a_gpu",
     "check_sharding",
     "check_visible_devices",
     "check_world_size",
@@ -117,6 +118,42 @@ def check_world_size(args) -> None:
     )
 
 
+def check_rank_has_a_gpu(args) -> None:
+    """
+    Raise when this process's local rank has no GPU of its own: on a machine with GPUs, rank r computes on GPU r, and
+    a launch of more processes per machine than it has GPUs fails inside torch with "CUDA error: invalid device
+    ordinal" (accelerate's device set-up, or transformers' loading with a `DistributedConfig`, which binds rank r to
+    GPU r before any Trainer exists: run the check before loading, `check_rank_has_a_gpu(args)`).
+
+    Args:
+        args (`transformers.TrainingArguments`):
+            The Trainer's arguments (`use_cpu` is read, the devices are not set up).
+
+    Raises:
+        `RuntimeError`: `LOCAL_RANK` is not below the GPUs this process sees, and `use_cpu` is off.
+
+    ```python
+    from hf_parallel import TrainingArguments
+    from hf_parallel.guards import check_rank_has_a_gpu
+
+    check_rank_has_a_gpu(TrainingArguments(output_dir="out"))  # silent outside a launch
+    ```
+    """
+    local_rank = os.environ.get("LOCAL_RANK")
+    if args.use_cpu or local_rank is None or not local_rank.isdigit() or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if int(local_rank) < gpus:
+        return
+    raise RuntimeError(
+        f"This process is local rank {local_rank}, but it sees {gpus} GPU(s) (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): each process of a launch computes on its own GPU, so "
+        f"a machine runs at most {gpus} of them. Launch at most {gpus} processes per machine (`accelerate launch "
+        f"--num_processes {gpus}`, or `torchrun --nproc_per_node {gpus}`), or train on the CPU with `--use_cpu` "
+        "(TrainingArguments(use_cpu=True)) and the gloo backend."
+    )
+
+
 def check_visible_devices() -> None:
     """
     Warn when `CUDA_VISIBLE_DEVICES` changed after CUDA was initialised in this process.
@@ -187,6 +224,7 @@ def check_launch(args) -> None:
     check_launch(TrainingArguments(output_dir="out"))
     ```
     """
+    check_rank_has_a_gpu(args)  # before the device set-up that `world_size` starts, which would fail without a word
     check_world_size(args)
     check_visible_devices()
     check_data_parallel(args)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import transformers
 
 from .chunking import check_split_options
+from .guards import check_rank_has_a_gpu
 
 
 @dataclass
@@ -76,6 +77,8 @@ class HfParallelArguments:
     )
 
     def __post_init__(self):
+        # Before transformers sets up the devices, which fails with "invalid device ordinal" on a rank without a GPU.
+        check_rank_has_a_gpu(self)
         super().__post_init__()
         self._validate_hf_parallel_fields()
 

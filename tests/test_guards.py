@@ -338,3 +338,22 @@ def test_a_sharding_downgrade_names_what_was_asked_and_what_runs(args, distribut
 )
 def test_no_sharding_downgrade_when_it_runs_or_was_not_asked(args, distributed_type):
     assert guards.sharding_downgrade(args, distributed_type, 2) is None
+
+
+def test_a_rank_without_a_gpu_is_told_before_the_device_set_up(no_launcher, monkeypatch, tmp_path):
+    import torch
+
+    from hf_parallel import TrainingArguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    no_launcher.setenv("LOCAL_RANK", "1")
+    no_launcher.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match=r"local rank 1, but it sees 1 GPU.*--num_processes 1.*--use_cpu"):
+        TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    # On the CPU, or as rank 0, nothing to say (the device set-up itself is not run here).
+    from hf_parallel.guards import check_rank_has_a_gpu
+
+    check_rank_has_a_gpu(type("Args", (), {"use_cpu": True})())
+    no_launcher.setenv("LOCAL_RANK", "0")
+    check_rank_has_a_gpu(type("Args", (), {"use_cpu": False})())

@@ -5,6 +5,7 @@ group, as a launcher would, and fails the caller (never blocks it) when a rank r
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
@@ -12,7 +13,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,10 +67,31 @@ def _part_together(store: dist.Store, world_size: int) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _rank_environment() -> Iterator[None]:
+    """Within the block, the environment a spawned CPU rank inherits: no GPU visible, one OpenMP thread unless set."""
+    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 300.0) -> None:
     """
     Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group, as a DDP launch
     would; `TrainingArguments(use_cpu=True)` or `PartialState()` inside then see a distributed run.
+
+    The ranks see no GPU (`CUDA_VISIBLE_DEVICES` is empty in their environment), so that they run on the CPU on any
+    machine: on one with fewer GPUs than ranks, code that binds rank r to GPU r (transformers' loading with a
+    `DistributedConfig`) would fail with "invalid device ordinal". Each rank computes on one thread unless
+    `OMP_NUM_THREADS` says otherwise, as under `torchrun`, so that the ranks do not contend for the cores.
 
     Like `accelerate.debug_launcher`, but spawned, not forked: a fork of a process whose OpenMP thread pool has run
     (any earlier torch op, e.g. a previous test) can deadlock in the child, which then waits forever on a futex. The
@@ -99,7 +121,7 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
     ```
     """
     check_whole_number("num_processes", num_processes, 1)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _rank_environment():
         context = torch.multiprocessing.start_processes(
             _rank_entry,
             args=(function, args, num_processes, os.path.join(tmp, "store")),
