@@ -20,6 +20,8 @@ Steps (each in its own process, stopped at its time box; a step that fails or ti
    (`torch.cuda.set_sync_debug_mode("warn")`, warnings raised from files of the package).
 3. `balance`: `benchmarks.balance_gpu` at small sizes (vocabulary 32000, sequence 256, 4 layers): GPU 0's peak memory
    and samples/s, hf_parallel against stock in the same run.
+4. `suite`: the default test suite in shards side by side (`benchmarks.gpu_suite`): every failing test by name with its
+   first error line, the counts, the tests' summed time (what one `pytest -q` would take) and the slowest tests.
 
 The summary (`--out`, JSON) has the versions found (`versions`; `version_warnings`: each requirement of transformers,
 accelerate or datasets that the installed packages do not meet; `version_error` when the run stopped there) and, per
@@ -41,9 +43,12 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-STEPS = ("tests", "data_parallel", "balance")
-# Seconds per step: with the start-up of each process, under 9 minutes in all.
-TIME_BOXES = {"tests": 200, "data_parallel": 150, "balance": 150}
+STEPS = ("tests", "data_parallel", "balance", "suite")
+# Seconds per step: with the start-up of each process, under 9 minutes for the first three; the suite's shards take
+# what is left of --budget.
+TIME_BOXES = {"tests": 200, "data_parallel": 150, "balance": 150, "suite": 420}
+# The dry run's suite: two small modules, enough to run the shards and their summary.
+DRY_SUITE = ["tests/test_chunking.py", "tests/test_training_args.py"]
 SETUP_CFG = Path(__file__).resolve().parents[1] / "setup.cfg"
 # What every step imports: missing or outside setup.cfg's range, the run stops before the first step.
 NEEDED = ("torch", "transformers", "accelerate")
@@ -106,7 +111,7 @@ def dependency_warnings(packages=DEPENDENCIES_CHECKED) -> list[str]:
     return warnings
 
 
-def command(step: str, dry_run: bool) -> list[str]:
+def command(step: str, dry_run: bool, box: float = 0.0) -> list[str]:
     if step == "tests":
         # A module that cannot be imported (a missing package imported at module level) is reported and the step
         # fails, but the GPU tests of every other module still run: a lent GPU machine's minutes are few.
@@ -114,6 +119,10 @@ def command(step: str, dry_run: bool) -> list[str]:
         return [sys.executable, "-m", "pytest", *options, "tests"]
     if step == "data_parallel":
         return [sys.executable, "-m", "benchmarks.gpu_dp_check", *(["--dry_run"] if dry_run else [])]
+    if step == "suite":
+        paths = DRY_SUITE if dry_run else []
+        # The shards stop 20 s before the step's box, so that their summary is still written.
+        return [sys.executable, "-m", "benchmarks.gpu_suite", "--box", str(max(10.0, box - 20)), *paths]
     sizes = ["--vocab_size", "32000", "--seq_len", "256", "--num_layers", "4", "--steps", "3", "--warmup", "1"]
     return [sys.executable, "-m", "benchmarks.balance_gpu", *(["--dry_run", "2"] if dry_run else sizes)]
 
@@ -122,7 +131,7 @@ def run_step(step: str, dry_run: bool, box: float) -> dict:
     start = time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     try:
-        done = subprocess.run(command(step, dry_run), capture_output=True, text=True, timeout=box, env=env)
+        done = subprocess.run(command(step, dry_run, box), capture_output=True, text=True, timeout=box, env=env)
         status, output = ("pass" if done.returncode == 0 else "fail"), done.stdout + done.stderr
         if step == "tests" and done.returncode == 5:
             status = "pass"  # no test collected: no GPU test applies (dry run)

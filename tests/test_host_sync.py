@@ -21,6 +21,10 @@ from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case
 from tests.tiny import tiny_bert_classifier
 
 PACKAGE = str(Path(hf_parallel.__file__).parent)
+# torch's own files, told by where torch is installed: a path that merely contains "/torch/" (a virtual environment
+# or checkout named so, as on some GPU images) would hide every frame under it, and pin another library's read on the
+# first frame outside, in hf_parallel.
+TORCH = str(Path(torch.__file__).parent) + "/"
 # Tensor-from-Python-data constructors and reads of a tensor's value on the host.
 SYNCING = {
     "tensor",
@@ -36,13 +40,19 @@ SYNCING = {
 }
 
 
+def _where(frame) -> str:
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
 def _caller_in(roots: tuple[str, ...]) -> str | None:
-    """`file:line` of the innermost frame outside torch when its file is under one of `roots`, else None."""
+    """`file:line` of the innermost frame outside torch when its file is under one of `roots` (and, when torch's own
+    code made the call, which torch frame), else None."""
     frame = sys._getframe(2)
-    while frame is not None and "/torch/" in frame.f_code.co_filename:
+    inner = frame
+    while frame is not None and frame.f_code.co_filename.startswith(TORCH):
         frame = frame.f_back
     if frame is not None and frame.f_code.co_filename.startswith(roots):
-        return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+        return _where(frame) + ("" if inner is frame else f" via torch's {_where(inner)}")
     return None
 
 
