@@ -63,6 +63,10 @@ def summarise(reports: list[Path]) -> dict:
                 counts["failed" if problem.tag == "failure" else "errors"] += 1
                 text = (problem.get("message") or problem.text or "").strip().splitlines()
                 failures.append(f"{name}: {text[0][:300] if text else problem.tag}")
+                details = (problem.text or "").strip().splitlines()
+                if len(details) > 1:
+                    # Where it failed and what a child process printed last (an example's own traceback).
+                    failures.append("    ... " + " | ".join(line.strip()[:200] for line in details[-8:]))
             else:
                 counts["passed"] += 1
     times.sort(reverse=True)

@@ -3,7 +3,6 @@ examples/embed.py reads FASTQ/FASTA/text, chunks reads and gives the same embedd
 in one process."""
 
 import gzip
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from examples import embed as embed_example
 from examples.data import make_reads
-from tests.paths import NO_GPUS, ROOT
+from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import run_together
 
 READS = ROOT / "examples" / "data" / "reads.fastq"
@@ -25,7 +24,7 @@ READS = ROOT / "examples" / "data" / "reads.fastq"
 @pytest.mark.slow
 def test_main_example_runs_and_reload_matches(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **NO_GPUS}
+    env = repo_env(HF_HUB_OFFLINE="1", **NO_GPUS)
     command = [sys.executable, str(ROOT / "examples" / "train.py"), "--output_dir", str(out), "--disable_tqdm", "True"]
     (result,), _ = run_together([command], tmp_path, env)
     assert f"Saved the model and tokenizer to {out}" in result.output
@@ -47,7 +46,7 @@ def _run_example(tmp_path: Path, name: str) -> tuple[str, Path]:
     """Run `examples/<name>.py` with its defaults, offline, on the CPU; return its output and its output folder."""
     out = tmp_path / "run"
     # One thread: on a shared 2-core machine, two threads per tiny op make these runs several times slower.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **NO_GPUS}
+    env = repo_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **NO_GPUS)
     script = ROOT / "examples" / f"{name}.py"
     command = [sys.executable, str(script), "--output_dir", str(out), "--disable_tqdm", "True"]
     (result,), _ = run_together([command], tmp_path, env)
@@ -178,7 +177,7 @@ def test_example_real_launch_two_processes_equals_one(tmp_path, no_gpus):
     # On the CPU in both: with GPUs, the launch would start NCCL processes (two on one GPU fail) and the
     # in-process run would embed on a GPU.
     embed_example.main(["--output_file", str(tmp_path / "one.npy"), "--no_progress"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **NO_GPUS}
+    env = repo_env(OMP_NUM_THREADS="1", **NO_GPUS)
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     cmd += ["--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

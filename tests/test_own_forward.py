@@ -18,6 +18,9 @@ from tests.harness import Topology, max_relative_diff, run_case
 from tests.heads import CASES, Case, llama, lm_rows
 from tests.own_forward import chunking_data_parallel
 
+# A CPU test on any machine: torch's DataParallel, built where CUDA is available, would move the model to GPU 0.
+pytestmark = pytest.mark.usefixtures("no_gpus")
+
 LLAMA_SMOOTHING = Case("llama_causal_lm_smoothing", llama, lm_rows, label_smoothing=0.1)
 HEADS = (
     "bert_single_label",
