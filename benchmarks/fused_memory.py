@@ -48,7 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.overhead import MALLOC_ENV, REPO_ROOT, _peak, _reset_peak, _sides
 from hf_parallel import Trainer, TrainingArguments
-from hf_parallel.validation import check_whole_number
+from hf_parallel.launch.validation import check_whole_number
 from tests.fused import fuse_loss
 
 WORKLOADS = ("fused", "plain")

@@ -23,7 +23,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_parallel
-from hf_parallel.chunking import balanced_chunk_sizes, torch_chunk_sizes
+from hf_parallel.data_parallel.chunking import balanced_chunk_sizes, torch_chunk_sizes
 from hf_parallel.exact import ExactLoss
 
 GIB = 2**30

@@ -35,7 +35,7 @@ import transformers
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from hf_parallel import Trainer, TrainingArguments
-from hf_parallel.validation import check_whole_number
+from hf_parallel.launch.validation import check_whole_number
 
 # Big enough that the loss's tensors (the LM's logits: 8 x 128 x 8000 floats, 33 MB) show in peak memory.
 SEQ = 128

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -19,9 +23,9 @@ _EXPORTS = {
     "ExactDataParallel": "data_parallel",
     "balanced_chunk_sizes": "data_parallel",
     "suggest_gpu0_bsz": "data_parallel",
-    "unwrap_model": "unwrap",
-    "load_state_dict": "checkpoints",
-    "check_reload": "checkpoints",
+    "unwrap_model": "saving",
+    "load_state_dict": "saving",
+    "check_reload": "saving",
     "CleanCheckpointCallback": "callbacks",
     "PeakMemoryCallback": "callbacks",
     "Gpu0BszAdvisorCallback": "callbacks",
@@ -30,7 +34,7 @@ _EXPORTS = {
     "pool_hidden_states": "inference",
     "shard_batches": "inference",
     "POOLING_METHODS": "inference",
-    "release_distributed": "teardown",
+    "release_distributed": "launch.teardown",
     "ExactLoop": "loop",
     "LoopStep": "loop",
 }
@@ -64,14 +68,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
-    from .checkpoints import check_reload, load_state_dict
     from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
     from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
+    from .launch.teardown import release_distributed
     from .loop import ExactLoop, LoopStep
-    from .teardown import release_distributed
+    from .saving.checkpoints import check_reload, load_state_dict
+    from .saving.unwrap import unwrap_model
     from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin
     from .training_args import Seq2SeqTrainingArguments, TrainingArguments
-    from .unwrap import unwrap_model
 
 
 def __getattr__(name: str):
@@ -84,3 +88,40 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+# Modules that moved when the package was laid out by purpose (0.2.0), by old path: `import hf_parallel.unwrap` and
+# `from hf_parallel.chunking import ...` keep giving the same module object, with a DeprecationWarning naming its home.
+_MOVED = {
+    "chunking": "data_parallel.chunking",
+    "scatter": "data_parallel.scatter",
+    "replication": "data_parallel.replication",
+    "guards": "launch.guards",
+    "launch_env": "launch.environment",
+    "teardown": "launch.teardown",
+    "validation": "launch.validation",
+    "unwrap": "saving.unwrap",
+    "checkpoints": "saving.checkpoints",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a moved module's old path (after every other finder) and loads it as the module at its new path."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        prefix = f"{__name__}."
+        if not fullname.startswith(prefix) or fullname[len(prefix) :] not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        new = f"{__name__}.{_MOVED[spec.name[len(__name__) + 1 :]]}"
+        warnings.warn(f"{spec.name} moved to {new}; import it from there.", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:
+        """The module at the new path is already executed."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -12,11 +12,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
-from .checkpoints import CHECKPOINT_WEIGHT_FILES, checkpoint_weight_files, load_state_dict, stored_keys
-from .chunking import gpu0_balance
 from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
-from .unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
-from .validation import check_whole_number
+from .data_parallel.chunking import gpu0_balance
+from .launch.validation import check_whole_number
+from .saving.checkpoints import CHECKPOINT_WEIGHT_FILES, checkpoint_weight_files, load_state_dict, stored_keys
+from .saving.unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
 
 if TYPE_CHECKING:
     from .exact import ExactLoss

@@ -54,8 +54,8 @@ from .exact import (
     replica_autocast,
 )
 from .exact.contrastive import rows_of
-from .unwrap import unwrap_model
-from .validation import check_whole_number
+from .launch.validation import check_whole_number
+from .saving.unwrap import unwrap_model
 
 __all__ = ["ExactLoop", "LoopStep"]
 

@@ -15,7 +15,6 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .callbacks import Gpu0BszAdvisorCallback
-from .checkpoints import checkpoint_weight_files, load_state_dict
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .exact import (
     CrossEntropyHead,
@@ -34,10 +33,11 @@ from .exact import (
     stock_compute_loss,
     stock_training_step,
 )
-from .guards import batch_statistics_split, check_launch, check_not_empty, check_sharding
-from .teardown import track_trainer
+from .launch.guards import batch_statistics_split, check_launch, check_not_empty, check_sharding
+from .launch.teardown import track_trainer
+from .saving.checkpoints import checkpoint_weight_files, load_state_dict
+from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
-from .unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .upstream import temporarily
 
 logger = logging.get_logger(__name__)

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import transformers
 
-from .chunking import check_split_options
-from .guards import check_rank_has_a_gpu
+from .data_parallel.chunking import check_split_options
+from .launch.guards import check_rank_has_a_gpu
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hf_parallel.launch_env import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES  # noqa: E402
+from hf_parallel.launch.environment import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES  # noqa: E402
 from tests.harness import record_hf_parallel_log  # noqa: E402
 
 

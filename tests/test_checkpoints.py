@@ -1,7 +1,7 @@
 """
-hf_parallel.checkpoints: the weight files of a checkpoint directory, the keys they store, reading every format (pickles
-only with weights_only) and loading into a model, as permissive as the model's own `load_state_dict` on shapes
-(torch.ao quantization-aware training) and loud on another architecture's weights.
+hf_parallel.saving.checkpoints: the weight files of a checkpoint directory, the keys they store, reading every
+format (pickles only with weights_only) and loading into a model, as permissive as the model's own `load_state_dict`
+on shapes (torch.ao quantization-aware training) and loud on another architecture's weights.
 """
 
 import json
@@ -14,7 +14,7 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from hf_parallel import load_state_dict
-from hf_parallel.checkpoints import checkpoint_weight_files, read_state_dict, stored_keys
+from hf_parallel.saving.checkpoints import checkpoint_weight_files, read_state_dict, stored_keys
 from tests.harness import assert_same_weights
 from tests.tiny import TinyRegressor, qat_model, tiny_bert_classifier, tiny_bert_config
 

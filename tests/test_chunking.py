@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_parallel import BalancedDataParallel, TrainingArguments, balanced_chunk_sizes, suggest_gpu0_bsz
-from hf_parallel.chunking import gpu0_balance
+from hf_parallel.data_parallel.chunking import gpu0_balance
 
 BATCH = st.integers(0, 300)
 DEVICES = st.integers(1, 9)

@@ -13,8 +13,10 @@ import torch
 import transformers
 from transformers.training_args import ParallelMode
 
-from hf_parallel import Trainer, TrainingArguments, guards, launch_env
+from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.commands.env import trainer_mode
+from hf_parallel.launch import environment as launch_env
+from hf_parallel.launch import guards
 from tests.harness import training_args
 from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
@@ -352,7 +354,7 @@ def test_a_rank_without_a_gpu_is_told_before_the_device_set_up(no_launcher, monk
     with pytest.raises(RuntimeError, match=r"local rank 1, but it sees 1 GPU.*--num_processes 1.*--use_cpu"):
         TrainingArguments(output_dir=str(tmp_path), report_to="none")
     # On the CPU, or as rank 0, nothing to say (the device set-up itself is not run here).
-    from hf_parallel.guards import check_rank_has_a_gpu
+    from hf_parallel.launch.guards import check_rank_has_a_gpu
 
     check_rank_has_a_gpu(type("Args", (), {"use_cpu": True})())
     no_launcher.setenv("LOCAL_RANK", "0")

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from hf_parallel.launch_env import (
+from hf_parallel.launch.environment import (
     cpu_requested,
     launcher_variables,
     launcher_world_size,
     world_size_variable,
 )
-from hf_parallel.validation import check_whole_number
+from hf_parallel.launch.validation import check_whole_number
 from tests.paths import ROOT, repo_env
 
 
@@ -49,7 +49,7 @@ def test_launcher_variables_are_those_set_in_order():
 
 
 def test_importing_it_costs_no_torch():
-    code = "import sys, hf_parallel.launch_env, hf_parallel.validation; print('torch' in sys.modules)"
+    code = "import sys, hf_parallel.launch.environment, hf_parallel.launch.validation; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
 

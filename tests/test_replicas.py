@@ -16,7 +16,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import hf_parallel
 from hf_parallel import BalancedDataParallel
-from hf_parallel.chunking import torch_chunk_sizes
+from hf_parallel.data_parallel.chunking import torch_chunk_sizes
 from hf_parallel.exact.replicas import ReplicaStep, replica_autocast, takes_use_cache, without_cache
 from hf_parallel.testing import simulate_data_parallel
 from tests.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, max_relative_diff, run_case

@@ -35,7 +35,7 @@ def test_a_distributed_trainer_is_released_before_exit(tmp_path):
 def test_the_exit_hook_is_registered_for_distributed_trainers_only(tmp_path, monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
-    monkeypatch.setattr("hf_parallel.teardown._registered", False)
+    monkeypatch.setattr("hf_parallel.launch.teardown._registered", False)
     args = training_args(tmp_path)
     Trainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_rows(4))
     assert registered == []  # one process: nothing to release

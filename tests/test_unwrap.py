@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hf_parallel import BalancedDataParallel, load_state_dict, unwrap_model
-from hf_parallel.unwrap import clean_state_dict, has_wrapper_prefixes, match_keys
+from hf_parallel.saving.unwrap import clean_state_dict, has_wrapper_prefixes, match_keys
 from tests.harness import assert_same_weights
 from tests.tiny import tiny_bert_classifier
 

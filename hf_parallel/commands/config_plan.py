@@ -15,7 +15,7 @@ from importlib import resources
 
 import yaml
 
-from ..validation import check_whole_number
+from ..launch.validation import check_whole_number
 from .gpus import count_gpus
 
 __all__ = [

@@ -15,8 +15,8 @@ import os
 import platform
 from importlib import metadata
 
-from ..launch_env import cpu_requested, launcher_variables, launcher_world_size
-from ..validation import check_whole_number
+from ..launch.environment import cpu_requested, launcher_variables, launcher_world_size
+from ..launch.validation import check_whole_number
 from .gpus import torch_gpu_count
 
 __all__ = ["add_parser", "env_report", "trainer_mode"]

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..launch_env import cpu_requested, launcher_world_size, world_size_variable
-from ..unwrap import unwrap_model
-from ..validation import check_whole_number
+from ..launch.environment import cpu_requested, launcher_world_size, world_size_variable
+from ..launch.validation import check_whole_number
+from ..saving.unwrap import unwrap_model
 from .pooling import SequenceEmbedder, check_pooling, check_rows_have_tokens
 from .sharding import OrderedGather, shard_batches
 from .writer import OUTPUT_DTYPES, OUTPUT_SUFFIXES, EmbeddingWriter

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..validation import check_whole_number
+from ..launch.validation import check_whole_number
 
 __all__ = ["OrderedGather", "shard_batches"]
 

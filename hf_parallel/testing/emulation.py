@@ -54,7 +54,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch.nn.parallel import _functions, comm
 
-from ..validation import check_whole_number
+from ..launch.validation import check_whole_number
 
 __all__ = ["Emulation", "simulate_data_parallel", "simulated_training_args"]
 

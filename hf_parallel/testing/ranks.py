@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..validation import check_whole_number
+from ..launch.validation import check_whole_number
 
 __all__ = ["spawn_cpu_ranks"]
 

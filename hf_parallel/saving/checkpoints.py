@@ -2,7 +2,7 @@
 Checkpoint weights on disk: which weight files a checkpoint directory holds, the keys they store, reading them into a
 state dict (pickles only with `weights_only=True`) and loading a state dict into a model whatever wrappers saved it.
 
-Keys are matched across wrappers by `hf_parallel.unwrap.match_keys`; shapes are left to the model's own
+Keys are matched across wrappers by `hf_parallel.saving.unwrap.match_keys`; shapes are left to the model's own
 `load_state_dict`, which may adapt a buffer to the stored one (torch.ao's fake-quantize observers do).
 """
 
@@ -74,7 +74,7 @@ def checkpoint_weight_files(folder: str | os.PathLike, shards: bool = False) -> 
         `list[str]`: the paths of the files present; empty when there is none.
 
     ```python
-    from hf_parallel.checkpoints import checkpoint_weight_files
+    from hf_parallel.saving.checkpoints import checkpoint_weight_files
 
     found = checkpoint_weight_files("out/checkpoint-500")  # e.g. ["out/checkpoint-500/model.safetensors"]
     ```

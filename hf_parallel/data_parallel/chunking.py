@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
-from .validation import check_whole_number
+from ..launch.validation import check_whole_number
 
 __all__ = [
     "Gpu0Balance",
@@ -41,7 +41,7 @@ def check_split_options(gpu0_bsz: int | None, gpu0_weight: float | None) -> None
         `ValueError`: naming the option, its value and the allowed values.
 
     ```python
-    from hf_parallel.chunking import check_split_options
+    from hf_parallel.data_parallel.chunking import check_split_options
 
     check_split_options(gpu0_bsz=4, gpu0_weight=None)  # passes
     ```
@@ -131,7 +131,7 @@ def torch_chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
         `list[int]`: one row count per device that gets a chunk.
 
     ```python
-    from hf_parallel.chunking import torch_chunk_sizes
+    from hf_parallel.data_parallel.chunking import torch_chunk_sizes
 
     torch_chunk_sizes(6, 4)  # [2, 2, 2]
     ```
@@ -195,7 +195,7 @@ def gpu0_balance(peak_memory: Sequence[float], chunk_sizes: Sequence[int], stati
         `static_memory` not below their peak), naming the values.
 
     ```python
-    from hf_parallel.chunking import gpu0_balance
+    from hf_parallel.data_parallel.chunking import gpu0_balance
 
     # 32 rows split [8, 8, 8, 8]: GPU 0 peaks at 70 GB, the others at 30 GB, of which 10 GB are the weights.
     gpu0_balance([70e9, 30e9, 30e9, 30e9], [8, 8, 8, 8], static_memory=10e9)
@@ -261,7 +261,7 @@ def suggest_gpu0_bsz(peak_memory: Sequence[float], chunk_sizes: Sequence[int], s
         `int`: the suggested `gpu0_bsz` for batches of `sum(chunk_sizes)` rows.
 
     ```python
-    from hf_parallel.chunking import suggest_gpu0_bsz
+    from hf_parallel.data_parallel.chunking import suggest_gpu0_bsz
 
     # 32 rows split [16, 16]: GPU 0 peaks at 20 GB, GPU 1 at 12 GB, of which 4 GB are the weights.
     suggest_gpu0_bsz([20e9, 12e9], [16, 16], static_memory=4e9)  # 8: both would then peak at 16 GB

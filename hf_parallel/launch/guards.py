@@ -25,7 +25,7 @@ from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
 # launcher_world_size and WORLD_SIZE_VARIABLES are re-exported: code that imported them from here keeps working.
-from .launch_env import WORLD_SIZE_VARIABLES, launcher_world_size, world_size_variable
+from .environment import WORLD_SIZE_VARIABLES, launcher_world_size, world_size_variable
 
 __all__ = [
     "WORLD_SIZE_VARIABLES",
@@ -90,7 +90,7 @@ def check_world_size(args) -> None:
 
     ```python
     from hf_parallel import TrainingArguments
-    from hf_parallel.guards import check_world_size
+    from hf_parallel.launch.guards import check_world_size
 
     check_world_size(TrainingArguments(output_dir="out"))  # silent in a single process
     ```
@@ -134,7 +134,7 @@ def check_rank_has_a_gpu(args) -> None:
 
     ```python
     from hf_parallel import TrainingArguments
-    from hf_parallel.guards import check_rank_has_a_gpu
+    from hf_parallel.launch.guards import check_rank_has_a_gpu
 
     check_rank_has_a_gpu(TrainingArguments(output_dir="out"))  # silent outside a launch
     ```
@@ -163,7 +163,7 @@ def check_visible_devices() -> None:
     let the launcher set it (`gpu_ids` in an accelerate config).
 
     ```python
-    from hf_parallel.guards import check_visible_devices
+    from hf_parallel.launch.guards import check_visible_devices
 
     check_visible_devices()  # silent unless CUDA is initialised and the variable changed since
     ```
@@ -195,7 +195,7 @@ def check_data_parallel(args) -> None:
 
     ```python
     from hf_parallel import TrainingArguments
-    from hf_parallel.guards import check_data_parallel
+    from hf_parallel.launch.guards import check_data_parallel
 
     check_data_parallel(TrainingArguments(output_dir="out"))  # silent on one device
     ```
@@ -219,7 +219,7 @@ def check_launch(args) -> None:
 
     ```python
     from hf_parallel import TrainingArguments
-    from hf_parallel.guards import check_launch
+    from hf_parallel.launch.guards import check_launch
 
     check_launch(TrainingArguments(output_dir="out"))
     ```
@@ -274,7 +274,7 @@ def check_sharding(args, accelerator) -> None:
             The Trainer's accelerator: its `distributed_type` is what runs.
 
     ```python
-    from hf_parallel.guards import check_sharding
+    from hf_parallel.launch.guards import check_sharding
 
     check_sharding(trainer.args, trainer.accelerator)  # hf_parallel.Trainer does this once it is built
     ```
@@ -297,7 +297,7 @@ def check_not_empty(dataset, name: str) -> None:
             How the user passed it (`"train_dataset"`, `"eval_dataset"`, ...), for the message.
 
     ```python
-    from hf_parallel.guards import check_not_empty
+    from hf_parallel.launch.guards import check_not_empty
 
     check_not_empty([], "train_dataset")  # ValueError: train_dataset is empty ...
     ```

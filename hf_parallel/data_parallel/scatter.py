@@ -70,7 +70,7 @@ def scatter_structure(
 
     ```python
     import torch
-    from hf_parallel.scatter import scatter_structure
+    from hf_parallel.data_parallel.scatter import scatter_structure
 
     pieces = scatter_structure({"x": torch.arange(4), "note": "a"}, 2, lambda t: t.chunk(2), lambda t: [t, t])
     [p["x"].tolist() for p in pieces]  # [[0, 1], [2, 3]]

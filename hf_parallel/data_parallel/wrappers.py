@@ -9,7 +9,8 @@ other GPUs sit partly empty. `BalancedDataParallel` gives GPU 0 fewer rows (`gpu
 The public versions of this class (transformer-xl's and its copies) use `unit = (bsz - gpu0_bsz) // (n - 1)` and
 break on ordinary inputs: one device (`ZeroDivisionError`), `model(**batch)` (`IndexError`), a 0-dim tensor or the
 Trainer's `[n_gpu, 1]` `num_items_in_batch` (`quit()`), and they give GPU 0 *more* than `gpu0_bsz` in some cases,
-e.g. 10 rows, 3 GPUs, `gpu0_bsz=3` -> `[4, 4, 2]`. The rule here is `balanced_chunk_sizes` (`hf_parallel.chunking`).
+e.g. 10 rows, 3 GPUs, `gpu0_bsz=3` -> `[4, 4, 2]`. The rule here is
+`balanced_chunk_sizes` (`hf_parallel.data_parallel.chunking`).
 
 `balanced_wrapper` holds the Trainer's decision of when to wrap a model in `BalancedDataParallel`.
 """
@@ -26,8 +27,8 @@ from torch.nn.parallel._functions import Scatter
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
+from ..exact.replicas import gathering_as_torch
 from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
-from .exact.replicas import gathering_as_torch
 from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_inputs
 
@@ -48,9 +49,10 @@ logger = logging.get_logger(__name__)
 class ExactDataParallel(nn.DataParallel):
     """
     `nn.DataParallel` whose replicas give the wrapped model's parameters the gradients one device would: a parameter
-    no replica used gets `None`, not torch's zeros (see `hf_parallel.replication`), and transformers' `model.device`
-    / `model.dtype` work inside a replica. Everything else is torch's own: the split (`tensor.chunk` semantics), the
-    threads, the gather. `hf_parallel.Trainer` wraps a model in it where stock wraps it in `nn.DataParallel`.
+    no replica used gets `None`, not torch's zeros (see `hf_parallel.data_parallel.replication`), and
+    transformers' `model.device` / `model.dtype` work inside a replica. Everything else is torch's own: the split
+    (`tensor.chunk` semantics), the threads, the gather. `hf_parallel.Trainer` wraps a model in it where stock
+    wraps it in `nn.DataParallel`.
 
     ```python
     from hf_parallel import ExactDataParallel
@@ -164,7 +166,8 @@ class BalancedDataParallel(ExactDataParallel):
                 copy=lambda tensor: [tensor.to(torch.device(self.src_device_obj.type, d)) for d in device_ids],
             )
             # torch's broadcast needs the source device first: when GPU 0 gets no rows, replicate onto it too and
-            # drop that replica (replicated without autograd, it costs no gradient; see hf_parallel.replication).
+            # drop that replica (replicated without autograd, it costs no gradient;
+            # see hf_parallel.data_parallel.replication).
             devices = device_ids if positions[0] == 0 else [self.device_ids[0], *device_ids]
             replicas = self.replicate(self.module, devices)[len(devices) - len(device_ids) :]
             outputs = parallel_apply(replicas, inputs, module_kwargs, device_ids)

@@ -104,7 +104,7 @@ def replicate_with_routing(module: nn.Module, device_ids: Sequence[int]) -> list
     (`torch.no_grad()`), the replicas hold torch's detached copies.
 
     ```python
-    from hf_parallel.replication import replicate_with_routing
+    from hf_parallel.data_parallel.replication import replicate_with_routing
 
     class RoutedDataParallel(torch.nn.DataParallel):
         def replicate(self, module, device_ids):

@@ -5,7 +5,7 @@ Unwrapping models and matching state-dict keys across wrappers.
 keeps it in `._orig_mod`. A state dict taken from the wrapper carries `module.` / `_orig_mod.` in every key, and
 `from_pretrained` or a non-strict `load_state_dict` then silently leaves the model at its random initialisation.
 This module removes the wrappers before saving and maps prefixed keys (wherever the prefixes sit) onto the model's
-keys; reading and loading weight files is `hf_parallel.checkpoints`.
+keys; reading and loading weight files is `hf_parallel.saving.checkpoints`.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def clean_state_dict(state_dict: Mapping[str, torch.Tensor], model: nn.Module) -
         model (`torch.nn.Module`): the model the state dict belongs to, wrapped or not.
 
     ```python
-    from hf_parallel.unwrap import clean_state_dict
+    from hf_parallel.saving.unwrap import clean_state_dict
 
     clean = clean_state_dict(torch.nn.DataParallel(model).state_dict(), model)  # keys as in model.state_dict()
     ```

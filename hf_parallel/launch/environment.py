@@ -52,7 +52,7 @@ def launcher_world_size(environ: Mapping[str, str] | None = None) -> int:
         `ValueError`: the variable is not a whole number >= 1.
 
     ```python
-    from hf_parallel.launch_env import launcher_world_size
+    from hf_parallel.launch.environment import launcher_world_size
 
     launcher_world_size({"WORLD_SIZE": "4"})  # 4
     ```

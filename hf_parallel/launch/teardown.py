@@ -58,7 +58,7 @@ def release_distributed() -> None:
     can run afterwards).
 
     ```python
-    from hf_parallel.teardown import release_distributed
+    from hf_parallel.launch.teardown import release_distributed
 
     trainer.train()
     release_distributed()  # the DDP wrapper and the process group are gone; the script can exit

@@ -24,7 +24,7 @@ def check_whole_number(name: str, value: Any, minimum: int = 0) -> int:
         `num_processes must be a whole number >= 1, got 1.5.`
 
     ```python
-    from hf_parallel.validation import check_whole_number
+    from hf_parallel.launch.validation import check_whole_number
 
     check_whole_number("batch_size", 8, minimum=1)  # 8
     ```
