@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.models.auto import configuration_auto, modeling_auto
 
-from hf_parallel.exact.router import text_config
+from hf_parallel.exact.heads.router import text_config
 
 __all__ = ["HEAD_KINDS", "MEDIA_KINDS", "ROUTER_KIND", "TEXT_KINDS", "ZooModel", "build_model", "zoo_models"]
 

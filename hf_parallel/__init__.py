@@ -102,6 +102,12 @@ _MOVED = {
     "validation": "launch.validation",
     "unwrap": "saving.unwrap",
     "checkpoints": "saving.checkpoints",
+    "exact.ctc": "exact.heads.ctc",
+    "exact.decoder": "exact.heads.decoder",
+    "exact.frames": "exact.heads.frames",
+    "exact.router": "exact.heads.router",
+    "exact.segmentation": "exact.heads.segmentation",
+    "exact.contrastive": "exact.heads.contrastive",
 }
 
 

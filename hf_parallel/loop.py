@@ -52,8 +52,8 @@ from .exact import (
     epoch_end,
     micro_batch_loss,
     replica_autocast,
+    rows_of,
 )
-from .exact.contrastive import rows_of
 from .launch.validation import check_whole_number
 from .saving.unwrap import unwrap_model
 

@@ -21,8 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_parallel
 from hf_parallel.exact import resolve_head
-from hf_parallel.exact.ctc import CTCHead, LossCallWatch
 from hf_parallel.exact.fallback import sums_its_loss
+from hf_parallel.exact.heads.ctc import CTCHead, LossCallWatch
 from hf_parallel.exact.resolve import UnsupportedHead
 from tests.harness import (
     DDP2,

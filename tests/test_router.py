@@ -16,7 +16,7 @@ from transformers.data.data_collator import default_data_collator
 import hf_parallel
 from hf_parallel import ExactLoop
 from hf_parallel.exact import resolve_head
-from hf_parallel.exact.router import RouterBalance, router_balance_of
+from hf_parallel.exact.heads.router import RouterBalance, router_balance_of
 from tests.harness import (
     DDP2,
     DP2,

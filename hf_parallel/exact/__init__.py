@@ -59,6 +59,7 @@ from .heads import (
     routed,
     token_losses,
 )
+from .heads.contrastive import rows_of
 from .remainder import REAL_ROWS_KEY, EpochEnd, epoch_end, pull_batches, real_rows
 from .replicas import AUTOCAST_DTYPES, is_data_parallel, replica_autocast, replica_precision
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
@@ -99,6 +100,7 @@ __all__ = [
     "replica_precision",
     "resolve_head",
     "routed",
+    "rows_of",
     "sequence_length",
     "stock_compute_loss",
     "stock_training_step",

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from .compare import ReplicaCheck, candidate_heads
-from .decoder import DecoderInputsWatch, keeping_labels_in_forward, needs_decoder_inputs, watch_decoder
 from .heads import CrossEntropyHead, LossHead, Route, routed
+from .heads.decoder import DecoderInputsWatch, keeping_labels_in_forward, needs_decoder_inputs, watch_decoder
 from .remainder import REAL_ROWS_KEY
 
 __all__ = ["MAX_CHECKS", "ModelLossCheck", "Settlement", "Verdict", "Votes", "decide"]

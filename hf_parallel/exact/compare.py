@@ -232,7 +232,7 @@ def replica_check(
         on_mismatch (`Callable`, *optional*): told why a candidate could not be computed from these outputs
             (`HeadMismatch`: it then does not fit).
         router (`torch.Tensor`, *optional*): the router term a MoE model adds to its loss on these rows
-            (`hf_parallel.exact.router`), added to every candidate's.
+            (`hf_parallel.exact.heads.router`), added to every candidate's.
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})

@@ -20,11 +20,12 @@ from torch import nn
 from transformers.utils import logging
 
 from .check import ModelLossCheck
-from .contrastive import CONTRASTIVE_NEGATIVES, rows_of
 from .counts import EvalTotals, StepCounts, sequence_length
+from .coupled import CONTRASTIVE_NEGATIVES
 from .fallback import FALLBACK_NOTE
 from .forward import Terms, chosen_terms
 from .heads import CrossEntropyHead, LossHead, Route, routed
+from .heads.contrastive import rows_of
 from .remainder import (
     REAL_ROWS_KEY,
     TARGET_KEYS,
@@ -65,7 +66,7 @@ class ExactLoss:
             padding rows, which are cut first).
         contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
             loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
-            (`"micro_batch"`, as stock); see `hf_parallel.exact.contrastive`.
+            (`"micro_batch"`, as stock); see `hf_parallel.exact.coupled`.
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class ExactLoss:
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self.contrastive_negatives = contrastive_negatives
         self.gather_embeddings = gather_embeddings
-        #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.contrastive`): checked, its cache.
+        #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.coupled`): checked, its cache.
         self.coupled: dict[tuple, dict] = {}
         #: The check of each model's head against the model's own loss.
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
@@ -299,9 +300,9 @@ class ExactLoss:
 
     def router_loss(self, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
         """
-        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.router`): over the micro-batch of
-        every replica and rank (T and n added over ranks: one collective), scaled like the head's sums, and averaged
-        over the step's micro-batches, which gradient accumulation cannot put in one batch (warned once).
+        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.heads.router`): over the
+        micro-batch of every replica and rank (T and n added over ranks: one collective), scaled like the head's sums,
+        and averaged over the step's micro-batches, which gradient accumulation cannot put in one batch (warned once).
         """
         everyone = self.reduce_sum(head.router.shared(own)) if self.num_processes > 1 else None
         if step.micro_batches > 1:

@@ -41,11 +41,11 @@ from .compare import (
     replica_check,
     takes_gradient_from_loss,
 )
-from .contrastive import contrastive_loss
 from .counts import StepCounts, sequence_length
-from .ctc import LOSS_CALL_KEY, LossCallWatch
-from .decoder import decoder_input_ids, needs_decoder_inputs
+from .coupled import contrastive_loss
 from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
+from .heads.ctc import LOSS_CALL_KEY, LossCallWatch
+from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
 from .replicas import (
     Reporting,
@@ -101,7 +101,7 @@ class Terms(NamedTuple):
         user_loss (`torch.Tensor`, *optional*): `[1]`, the user loss (divided by the whole count already).
         check (`ReplicaCheck`, *optional*): what a checked forward says of the candidate heads.
         router (`torch.Tensor`, *optional*): `[samples, 2E + 1]`, a MoE model's router statistics
-            (`hf_parallel.exact.router`): one row per forward in training, per sample in evaluation.
+            (`hf_parallel.exact.heads.router`): one row per forward in training, per sample in evaluation.
     """
 
     sums: torch.Tensor | None = None
@@ -413,7 +413,7 @@ def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample
 
 def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> torch.Tensor | None:
     """
-    A MoE model's router statistics on this forward's rows (`hf_parallel.exact.router`), the padding rows of an
+    A MoE model's router statistics on this forward's rows (`hf_parallel.exact.heads.router`), the padding rows of an
     epoch's last step left out: `[1, 2E + 1]` in training, `[rows, 2E + 1]` where `per_sample` (evaluation); None
     for a head without a router, or outputs without router logits.
     """

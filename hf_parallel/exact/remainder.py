@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .heads import IGNORE_INDEX
+from .heads import IGNORE_INDEX, REAL_ROWS_KEY
 from .streams import stream_remainder
 
 __all__ = [
@@ -43,8 +43,6 @@ __all__ = [
     "samples_in",
 ]
 
-#: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added.
-REAL_ROWS_KEY = "hf_parallel_real_rows"
 #: The cross-entropy targets a padding row is masked in.
 TARGET_KEYS = ("labels", "shift_labels")
 

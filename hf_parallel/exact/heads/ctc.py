@@ -16,7 +16,7 @@ The two reductions:
   size, which DDP's averaging takes back.
 
 ```python
-from hf_parallel.exact.ctc import CTCHead, LossCallWatch
+from hf_parallel.exact.heads.ctc import CTCHead, LossCallWatch
 
 head = CTCHead(blank=model.config.pad_token_id, reduction=model.config.ctc_loss_reduction)
 watch = LossCallWatch(model, head.loss_call_arguments)
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .heads import IGNORE_INDEX, HeadMismatch, LossHead, Route, _logits
+from .base import IGNORE_INDEX, HeadFamily, HeadMismatch, LossHead, Route, UnsupportedHead, _logits, class_names
 
-__all__ = ["LOSS_CALL_KEY", "CTCHead", "LossCallWatch"]
+__all__ = ["CTC", "LOSS_CALL_KEY", "CTCHead", "LossCallWatch"]
 
 #: The labels key under which a forward's `LossCallWatch` leaves the arguments of the model's loss call.
 LOSS_CALL_KEY = "hf_parallel_loss_call"
@@ -145,3 +145,19 @@ class CTCHead(LossHead):
             losses = losses / target_lengths.clamp(min=1)
         rows = target.shape[0]
         return losses.reshape(rows, 1), torch.ones(rows, 1, dtype=torch.long, device=losses.device)
+
+
+def _ctc(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s CTC loss.")
+    config = model.config
+    reduction = getattr(config, "ctc_loss_reduction", None)
+    if reduction not in ("mean", "sum"):
+        raise UnsupportedHead(f"{name} has ctc_loss_reduction={reduction!r}; hf_parallel knows 'mean' and 'sum'.")
+    blank = getattr(config, "pad_token_id", None)
+    if not isinstance(blank, int):
+        raise UnsupportedHead(f"{name} has no pad_token_id, which its CTC loss takes as the blank token.")
+    return CTCHead(blank, reduction, getattr(config, "ctc_zero_infinity", False), name=f"ctc/{reduction}")
+
+
+CTC = HeadFamily(class_names("MODEL_FOR_CTC_MAPPING_NAMES"), _ctc)

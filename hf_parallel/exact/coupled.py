@@ -36,141 +36,24 @@ loss, _ = micro_batch_loss(exact, clip_model, head, batch, step, RunContext())  
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .compare import tolerance
 from .counts import StepCounts
-from .heads import LossHead
+from .heads.contrastive import ContrastiveHead
 from .remainder import REAL_ROWS_KEY
 from .replicas import is_data_parallel, run_in_replicas
 
-__all__ = [
-    "CONTRASTIVE_NEGATIVES",
-    "ContrastiveHead",
-    "ContrastiveVariant",
-    "contrastive_loss",
-    "contrastive_variant",
-]
+__all__ = ["CONTRASTIVE_NEGATIVES", "all_gather_rows", "contrastive_loss"]
 
 #: The values of `TrainingArguments.contrastive_negatives`: "step", every row of the optimizer step (exact);
 #: "micro_batch", the rows of each micro-batch (over every device), as stock's gradient accumulation has them.
 CONTRASTIVE_NEGATIVES = ("step", "micro_batch")
-
-
-def _cross_entropy(logits: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
-    targets = torch.arange(logits.shape[0], device=logits.device)
-    return F.cross_entropy(logits, targets, label_smoothing=smoothing)
-
-
-def _clip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    logits = (text @ other.t()) * model.logit_scale.float().exp()
-    return (_cross_entropy(logits) + _cross_entropy(logits.t())) / 2
-
-
-def _siglip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    logits = (text @ other.t()) * model.logit_scale.float().exp() + model.logit_bias.float()
-    signs = 2 * torch.eye(logits.shape[0], device=logits.device) - 1
-    return -F.logsigmoid(signs * logits).sum(-1).mean()
-
-
-def _temperature(smoothing: float) -> Callable[..., torch.Tensor]:
-    def loss(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        logits = (text @ other.t()) / model.temperature.float()
-        return (_cross_entropy(logits, smoothing) + _cross_entropy(logits.t(), smoothing)) / 2
-
-    return loss
-
-
-def _clap(model: Any, text: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-    # As ClapModel: both terms over the texts' rows, each with its own scale.
-    per_text = (text @ audio.t()) * model.logit_scale_t.float().exp()
-    per_audio = (audio @ text.t()) * model.logit_scale_a.float().exp()
-    return (_cross_entropy(per_text) + _cross_entropy(per_audio.t())) / 2
-
-
-@dataclass(frozen=True)
-class ContrastiveVariant:
-    """
-    How a contrastive model's loss is made from its two embeddings.
-
-    Args:
-        name (`str`): "clip", "siglip", "align", "temperature" or "clap".
-        keys (`tuple[str, str]`): the output keys of the text embeddings and the other modality's.
-        loss (`Callable`): `loss(model, text, other)`: the loss of the rows given, reading the model's own scale
-            parameters (float32 embeddings).
-        parameters (`tuple[str, ...]`): the names of those parameters on the model.
-    """
-
-    name: str
-    keys: tuple[str, str]
-    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
-    parameters: tuple[str, ...]
-
-
-def contrastive_variant(model: nn.Module, name: str) -> ContrastiveVariant | None:
-    """
-    The variant of a contrastive model (unwrapped), from the parameters its loss reads; None for one hf_parallel does
-    not know. The first forward's check against the model's own loss confirms it.
-    """
-
-    def has(*names: str) -> bool:
-        return all(isinstance(getattr(model, n, None), nn.Parameter) for n in names)
-
-    other = "audio_embeds" if "audio" in name.lower() or "clap" in name.lower() else "image_embeds"
-    keys = ("text_embeds", other)
-    if has("logit_scale_t", "logit_scale_a"):
-        return ContrastiveVariant("clap", ("text_embeds", "audio_embeds"), _clap, ("logit_scale_t", "logit_scale_a"))
-    if has("logit_scale", "logit_bias"):
-        return ContrastiveVariant("siglip", keys, _siglip, ("logit_scale", "logit_bias"))
-    if has("temperature"):
-        smoothing = 0.1 if name == "AlignModel" else 0.0  # ALIGN smooths its targets by 0.1
-        kind = "align" if smoothing else "temperature"
-        return ContrastiveVariant(kind, keys, _temperature(smoothing), ("temperature",))
-    if has("logit_scale"):
-        return ContrastiveVariant("clip", keys, _clip, ("logit_scale",))
-    return None
-
-
-def rows_of(batch: dict) -> int:
-    """The rows of a batch: the first dimension of its first tensor with one."""
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() > 0 and key != "return_loss":
-            return value.shape[0]
-    raise ValueError(f"A contrastive batch needs at least one tensor with rows; it has {sorted(batch)}.")
-
-
-class ContrastiveHead(LossHead):
-    """
-    A contrastive model's loss over every row of the step (see the module docstring). It has no labels: a batch
-    asks for its loss with `return_loss=True`, as for the model itself. Its count is the step's rows (for the record:
-    the loss is not a sum over them).
-    """
-
-    #: Each row's loss depends on the other rows of the batch: `micro_batch_loss` hands it to `contrastive_loss`.
-    batch_coupled = True
-
-    def __init__(self, variant: ContrastiveVariant):
-        super().__init__((), f"contrastive/{variant.name}")
-        self.variant = variant
-
-    def has_labels(self, batch) -> bool:
-        flag = batch.get("return_loss")
-        return bool(flag.all()) if torch.is_tensor(flag) else bool(flag)
-
-    def count(self, labels: dict, seq_len: int | None = None) -> torch.Tensor:
-        rows = rows_of(labels)
-        real = labels.get(REAL_ROWS_KEY)
-        return torch.tensor([rows if real is None else min(rows, int(real))])
-
-    def row_terms(self, outputs, labels):
-        raise NotImplementedError("A contrastive loss is not a sum over rows: see hf_parallel.exact.contrastive.")
 
 
 @dataclass

@@ -6,7 +6,7 @@ cross-entropy of every frame against its label's arg-max, over all frames of all
 row's as many as the logits have (padding frames too, as the models count them).
 
 ```python
-from hf_parallel.exact.frames import FrameClassificationHead
+from hf_parallel.exact.heads.frames import FrameClassificationHead
 
 sums, counts = FrameClassificationHead().row_terms(model(input_values=audio), {"labels": one_hot_frames})
 ```
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .heads import HeadMismatch, LossHead, _logits
+from .base import HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
 
-__all__ = ["FrameClassificationHead"]
+__all__ = ["AUDIO_FRAME_CLASSIFICATION", "FrameClassificationHead"]
 
 
 class FrameClassificationHead(LossHead):
@@ -44,3 +44,12 @@ class FrameClassificationHead(LossHead):
         frames = target.shape[1]
         sums = losses.view(target.shape[0], frames).sum(-1, keepdim=True)
         return sums, torch.full_like(sums, frames, dtype=torch.long)
+
+
+def _frames(name: str, model, labels, smoothing: float) -> LossHead:
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s frame labels.")
+    return FrameClassificationHead()
+
+
+AUDIO_FRAME_CLASSIFICATION = HeadFamily(class_names("MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"), _frames)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .heads import HeadMismatch
+from .base import HeadMismatch
 
 __all__ = ["RouterBalance", "router_balance_of", "text_config"]
 

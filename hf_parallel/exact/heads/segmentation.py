@@ -12,7 +12,7 @@ Not a sum over pixels, and left to the stock loss with a warning (`resolve`): an
 which Segformer averages over every pixel, ignored or not.
 
 ```python
-from hf_parallel.exact.segmentation import SegmentationHead
+from hf_parallel.exact.heads.segmentation import SegmentationHead
 
 head = SegmentationHead(ignore_index=255)
 sums, counts = head.row_terms(model(pixel_values=images), {"labels": maps})  # [images, 1] each
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .heads import HeadMismatch, LossHead, _logits
+from .base import HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
 
-__all__ = ["SegmentationHead"]
+__all__ = ["SEMANTIC_SEGMENTATION", "SegmentationHead"]
 
 
 class SegmentationHead(LossHead):
@@ -56,3 +56,21 @@ class SegmentationHead(LossHead):
         upsampled = F.interpolate(logits, size=target.shape[-2:], mode="bilinear", align_corners=False)
         losses = F.cross_entropy(upsampled.float(), target.long(), ignore_index=self.ignore_index, reduction="none")
         return losses.flatten(1).sum(-1, keepdim=True), self.valid(target).flatten(1).sum(-1, keepdim=True)
+
+
+def _segmentation(name: str, model, labels, smoothing: float) -> LossHead:
+    config = model.config
+    if smoothing:
+        raise UnsupportedHead(f"label smoothing does not apply to {name}'s per-pixel loss.")
+    if getattr(config, "use_auxiliary_head", False):
+        raise UnsupportedHead(
+            f"{name} adds an auxiliary head's loss (config.use_auxiliary_head=True) whose logits its outputs do not "
+            "carry; set use_auxiliary_head=False in its config to train it exactly without that head."
+        )
+    if getattr(config, "num_labels", 2) == 1:
+        raise UnsupportedHead(f"{name} with num_labels=1 has a binary loss averaged over every pixel, ignored or not.")
+    ignore = getattr(config, "semantic_loss_ignore_index", getattr(config, "loss_ignore_index", 255))
+    return SegmentationHead(ignore_index=ignore)
+
+
+SEMANTIC_SEGMENTATION = HeadFamily(class_names("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"), _segmentation)

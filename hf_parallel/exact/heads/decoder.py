@@ -16,7 +16,7 @@ labels in, no decoder inputs: see `hf_parallel.exact.check`) watches what its de
 `LabelsInForwardHead` (`keeping_labels_in_forward`).
 
 ```python
-from hf_parallel.exact.decoder import decoder_input_ids, needs_decoder_inputs
+from hf_parallel.exact.heads.decoder import decoder_input_ids, needs_decoder_inputs
 
 if needs_decoder_inputs(head, inputs):
     inputs["decoder_input_ids"] = decoder_input_ids(model, labels["labels"])
@@ -30,9 +30,13 @@ import threading
 import torch
 from torch import nn
 
-from .heads import CrossEntropyHead, LossHead, Route
+from .base import HeadFamily, LossHead, Route, class_names
+from .tokens import CrossEntropyHead
 
 __all__ = [
+    "MULTIMODAL_LM",
+    "SEQ2SEQ_DECODER_LM",
+    "SEQ2SEQ_LM",
     "DecoderInputsWatch",
     "LabelsInForwardHead",
     "decoder_input_ids",
@@ -138,3 +142,33 @@ def watch_decoder(model: nn.Module) -> DecoderInputsWatch | None:
     if not isinstance(decoder, nn.Module) or decoder is model:
         return None
     return DecoderInputsWatch(model, decoder)
+
+
+def _seq2seq_lm(name: str, model, labels, smoothing: float) -> LossHead:
+    if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
+        # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
+        return LabelsInForwardHead(name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True)
+    return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
+
+
+def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
+    if getattr(model.config, "is_encoder_decoder", False):
+        return _seq2seq_lm(name, model, labels, smoothing)
+    return CrossEntropyHead(name="multimodal_lm", shift=True, smoothing=smoothing, per_position=True)
+
+
+SEQ2SEQ_LM = HeadFamily(class_names("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"), _seq2seq_lm, encoder_decoder=True)
+# Decoders in the seq2seq mapping (AudioFlamingo3, MusicFlamingo: audio placeholders, then text): a causal LM.
+SEQ2SEQ_DECODER_LM = HeadFamily(SEQ2SEQ_LM.classes, _multimodal_lm, encoder_decoder=False)
+# Language models conditioned on images, audio or video: encoder-decoders (Whisper, Speech2Text, TrOCR and Donut as
+# VisionEncoderDecoderModel) have the seq2seq LM loss, decoders with placeholder positions (LLaVA, Qwen2-VL,
+# Voxtral, ...) the causal LM loss over every position the labels do not ignore.
+MULTIMODAL_LM = HeadFamily(
+    class_names(
+        "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+        "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+        "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
+    ),
+    _multimodal_lm,
+)

@@ -1,0 +1,203 @@
+"""
+The base of every loss head (`LossHead`), how a head's micro-batch loss is made (`Route`, set by `routed`), the
+errors that rule a head out, and the registry row a head family declares (`HeadFamily`).
+
+Every family module of this package builds on these alone; nothing here knows a model family.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from transformers.models.auto import modeling_auto
+
+__all__ = [
+    "IGNORE_INDEX",
+    "NO_GRAD_CHUNK_ELEMENTS",
+    "REAL_ROWS_KEY",
+    "HeadFamily",
+    "HeadMismatch",
+    "LossHead",
+    "ProblemTypeUnsettled",
+    "Route",
+    "UnsupportedHead",
+    "class_names",
+    "routed",
+]
+
+IGNORE_INDEX = -100
+#: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added (a DDP
+#: epoch's last step: `hf_parallel.exact.remainder`).
+REAL_ROWS_KEY = "hf_parallel_real_rows"
+#: Logits entries per chunk of a per-position loss computed without autograd (64 MiB of float32).
+NO_GRAD_CHUNK_ELEMENTS = 2**24
+
+
+class HeadMismatch(ValueError):
+    """
+    A head's loss cannot be computed from these outputs and labels (their shapes do not match: something between
+    them adds or drops positions). In the checked forward it only rules the head out; after it, it stops the run.
+    """
+
+
+def _logits(outputs, key: str = "logits") -> torch.Tensor:
+    if isinstance(outputs, dict):
+        return outputs[key]
+    return outputs[0]
+
+
+class UnsupportedHead(ValueError):
+    """The model's loss cannot be recomputed exactly from its logits; the reason names what to do."""
+
+
+class ProblemTypeUnsettled(UnsupportedHead):
+    """
+    A sequence classifier whose `config.problem_type` is unset, before any labels were seen: transformers settles it
+    from the first labels (their dtype and the number of labels), so the head is known at the first batch.
+    """
+
+
+class Route(enum.Enum):
+    """
+    How a head's micro-batch loss S / C is made (the table in `hf_parallel.exact`'s docstring says which heads take
+    which, and why). The Trainer's stock loss, where no head applies, is no route: the head is None.
+    """
+
+    #: The labels are kept out of the forward; S is computed from the logits by the head (the default).
+    RECOMPUTED = "recomputed"
+    #: The labels stay in the forward (the model builds its decoder inputs from them); S from the logits, as above.
+    LABELS_IN_FORWARD = "labels_in_forward"
+    #: The model's own loss, given its labels and `num_items_in_batch` = C, is S / C itself (it honours the count).
+    MODEL_LOSS = "model_loss"
+    #: The Trainer's `compute_loss_func`, given the step's count; the head only counts the items.
+    USER_LOSS = "user_loss"
+
+
+def routed(head: LossHead, route: Route) -> LossHead:
+    """
+    A copy of `head` that takes `route`; the one place a route is set. A route the check chose names the head for it
+    (`causal_lm/model_loss`); the user's loss keeps the head's name.
+    """
+    other = copy.copy(head)
+    other.route = route
+    if route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD) and not head.name.endswith(f"/{route.value}"):
+        other.name = f"{head.name}/{route.value}"
+    return other
+
+
+class LossHead:
+    """
+    The base of every head: label keys, term weights, counting, combining. Subclasses say what a target is, which of
+    its entries are items, and how the per-row sums are computed.
+
+    Args:
+        label_keys (`tuple[str, ...]`, *optional*, defaults to `("labels",)`):
+            The batch keys that hold targets; popped before the forward.
+        name (`str`, *optional*):
+            What the head is, for messages (`"causal_lm"`, `"sequence_classification/regression"`, ...).
+    """
+
+    #: How the micro-batch's loss is made (`Route`); set with `routed`.
+    route: Route = Route.RECOMPUTED
+    #: Weight of each loss term in `combine`.
+    weights: tuple[float, ...] = (1.0,)
+    #: Whether the model builds its decoder inputs from the labels (encoder-decoder LMs): without the labels, the
+    #: caller must build them.
+    builds_decoder_inputs: bool = False
+    #: Whether the targets are the labels shifted by one position (decoder-only LMs).
+    shift: bool = False
+    #: Whether the logits have one row per label position (LMs, token classification), not one per sample.
+    per_position: bool = False
+    #: Whether the model's loss is a plain sum over its items (CTC with `ctc_loss_reduction="sum"`): nothing divides
+    #: it, so the step's loss is the sum of its micro-batches' sums, and `combine` ignores the counts.
+    summed: bool = False
+    #: The arguments of the model's own `loss_function` call the head needs (e.g. CTC's `logit_lengths`): the labels
+    #: then stay in the forward, and `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`.
+    loss_call_arguments: tuple[str, ...] = ()
+    #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
+    #: exact over the whole batch by `hf_parallel.exact.heads.router`; None for a model without one.
+    router = None
+
+    def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
+        self.label_keys = tuple(label_keys)
+        self.name = name or type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, label_keys={self.label_keys})"
+
+    @property
+    def num_terms(self) -> int:
+        return len(self.weights)
+
+    def has_labels(self, batch) -> bool:
+        """Whether `batch` holds every label key of this head."""
+        return all(key in batch for key in self.label_keys)
+
+    def pop_labels(self, inputs: dict) -> dict[str, torch.Tensor]:
+        """Remove the targets from `inputs` (a dict the caller owns) and return them."""
+        labels = {key: inputs.pop(key) for key in self.label_keys if key in inputs}
+        missing = [key for key in self.label_keys if key not in labels]
+        if missing:
+            raise KeyError(f"The batch has no {missing} for the {self.name} loss; it has {sorted(inputs)}.")
+        return labels
+
+    def targets(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> list[torch.Tensor]:
+        """One tensor per term whose valid entries are the items."""
+        return [labels["labels"]]
+
+    def valid(self, target: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """Which entries of a target are items."""
+        return target.ne(IGNORE_INDEX)
+
+    def count(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> torch.Tensor:
+        """Items per term in a batch, from the labels alone (so a step can be counted before it runs)."""
+        return torch.stack([self.valid(t, seq_len).sum() for t in self.targets(labels, seq_len)])
+
+    def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        Per-row loss sums and item counts, each `[rows, num_terms]` (float32 sums, int64 counts).
+
+        Rows are the first dimension of the labels, so evaluation can drop the duplicate rows that distributed
+        samplers add, and sum the rest.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define row_terms.")
+
+    def combine(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """
+        `sum_k weight_k * sums_k / counts_k`, where a term with no item contributes 0 (never NaN); `sum_k weight_k *
+        sums_k` for a `summed` head.
+        """
+        if self.summed:
+            return sum(weight * sums[..., k].sum() for k, weight in enumerate(self.weights))
+        ratios = sums / counts.to(sums.device, sums.dtype).clamp(min=1)
+        # Python floats, not a tensor of the weights: building one each micro-batch is a host-to-device copy (and a
+        # sync on CUDA) in the hot path.
+        first = self.weights[0]
+        if all(weight == first for weight in self.weights):
+            return ratios.sum() * first if first != 1 else ratios.sum()
+        return sum(weight * ratios[..., k].sum() for k, weight in enumerate(self.weights))
+
+
+def class_names(*mappings: str) -> frozenset[str]:
+    """The model class names of transformers' auto mappings (`MODEL_FOR_..._MAPPING_NAMES`); a release lacks some."""
+    names = set()
+    for mapping in mappings:
+        for value in getattr(modeling_auto, mapping, {}).values():
+            names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return frozenset(names)
+
+
+class HeadFamily(NamedTuple):
+    """
+    One row of the registry (`hf_parallel.exact.heads.HEAD_FAMILIES`): the model classes of a kind of head (by class
+    name), whether they must be encoder-decoders (True), must not be (False) or either (None), and
+    `build(name, model, labels, smoothing)`, which gives their `LossHead` or raises `UnsupportedHead` naming why.
+    """
+
+    classes: frozenset[str]
+    build: Callable[..., LossHead]
+    encoder_decoder: bool | None = None
