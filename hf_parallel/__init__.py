@@ -108,6 +108,7 @@ _MOVED = {
     "exact.router": "exact.heads.router",
     "exact.segmentation": "exact.heads.segmentation",
     "exact.contrastive": "exact.heads.contrastive",
+    "exact.counts": "exact.terms",
 }
 
 

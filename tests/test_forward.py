@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_parallel.exact import ExactLoss, Route, RunContext, micro_batch_loss
-from hf_parallel.exact.forward import sample_terms, split_labels
+from hf_parallel.exact.terms import sample_terms, split_labels
 from tests.heads import CASES
 
 

@@ -45,9 +45,9 @@ one warning. The path of one micro-batch, the check and how to add a head family
 
 from .check import MAX_CHECKS, ModelLossCheck
 from .compare import ReplicaCheck, candidate_heads, replica_check
-from .core import EvalTotals, ExactLoss, StepCounts, sequence_length
+from .core import ExactLoss
 from .fallback import stock_compute_loss, stock_training_step
-from .forward import RunContext, Terms, batch_device, micro_batch_loss
+from .forward import RunContext, micro_batch_loss
 from .heads import (
     IGNORE_INDEX,
     CrossEntropyHead,
@@ -64,6 +64,7 @@ from .remainder import REAL_ROWS_KEY, EpochEnd, epoch_end, pull_batches, real_ro
 from .replicas import AUTOCAST_DTYPES, is_data_parallel, replica_autocast, replica_precision
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .streams import count_samples, gather_samples
+from .terms import EvalTotals, StepCounts, Terms, batch_device, sequence_length
 
 __all__ = [
     "AUTOCAST_DTYPES",

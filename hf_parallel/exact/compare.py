@@ -54,7 +54,7 @@ __all__ = [
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 _HALF_TOLERANCE = 1e-2
 
-# A head's `[samples, terms]` loss sums and item counts (not `hf_parallel.exact.forward.Terms`, a forward's whole).
+# A head's `[samples, terms]` loss sums and item counts (not `hf_parallel.exact.terms.Terms`, a forward's whole).
 SampleTerms = tuple[torch.Tensor, torch.Tensor]
 
 

@@ -20,10 +20,8 @@ from torch import nn
 from transformers.utils import logging
 
 from .check import ModelLossCheck
-from .counts import EvalTotals, StepCounts, sequence_length
 from .coupled import CONTRASTIVE_NEGATIVES
 from .fallback import FALLBACK_NOTE
-from .forward import Terms, chosen_terms
 from .heads import CrossEntropyHead, LossHead, Route, routed
 from .heads.contrastive import rows_of
 from .remainder import (
@@ -37,6 +35,7 @@ from .remainder import (
     samples_in,
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+from .terms import EvalTotals, StepCounts, Terms, chosen_terms, sequence_length
 
 __all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
 

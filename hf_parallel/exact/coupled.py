@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .compare import tolerance
-from .counts import StepCounts
 from .heads.contrastive import ContrastiveHead
 from .remainder import REAL_ROWS_KEY
 from .replicas import is_data_parallel, run_in_replicas
+from .terms import StepCounts
 
 __all__ = ["CONTRASTIVE_NEGATIVES", "all_gather_rows", "contrastive_loss"]
 
