@@ -21,8 +21,10 @@ __all__ = [
     "CHECKED_IN",
     "GRADIENT_STATE_ATTRIBUTES",
     "HOOKS",
+    "IMPORTED_NAMES",
     "INSTANCE_ATTRIBUTES",
     "NOT_OVERRIDDEN",
+    "PRIVATE_ATTRIBUTES",
     "SHARD_ATTRIBUTES",
     "TRAINING_ATTRIBUTES",
     "Hook",
@@ -111,6 +113,57 @@ GRADIENT_STATE_ATTRIBUTES = ("active_dataloader", "end_of_dataloader", "remainde
 SHARD_ATTRIBUTES = ("dataset", "batch_size", "num_processes", "split_batches", "drop_last")
 # Set only during training, read by `_finalize_training`.
 TRAINING_ATTRIBUTES = (("trainer", "_tr_loss", "this rank's loss not logged yet"),)
+# Private or undocumented state of what accelerate and transformers make, read or written where no public name says
+# the same: (owner, name, why). A rename would not fail, it would silently change what runs. The owners, as
+# tests/test_upstream.py makes them: "prepared model" (what `Accelerator.prepare` returns for a model),
+# "DataLoaderShard" (what it returns for a DataLoader), "accelerator", "PreTrainedModel" (a transformers model after a
+# forward that records its hidden states).
+PRIVATE_ATTRIBUTES = (
+    (
+        "prepared model",
+        "_is_accelerate_prepared",
+        "accelerate's mark on a model it prepared, which it then never wraps again: Trainer.train() unmarks the "
+        "model evaluate() prepared under DDP, so that training wraps it",
+    ),
+    (
+        "DataLoaderShard",
+        "_drop_last",
+        "whether accelerate drops an epoch's uneven last batch: ExactLoop then marks no padding rows in it",
+    ),
+    (
+        "DataLoaderShard",
+        "end_of_dataloader",
+        "ExactLoop writes it on the active dataloader (GradientState.end_of_dataloader reads it there), so that "
+        "accumulate() syncs at the last micro-batch of an epoch's last step only",
+    ),
+    (
+        "accelerator",
+        "step",
+        "ExactLoop writes the micro-batch count that accumulate() adds one to and syncs on (a multiple of the "
+        "accumulation steps)",
+    ),
+    (
+        "PreTrainedModel",
+        "_output_capturing_hooks_installed",
+        "transformers' mark on a model whose forward installed its output-capturing hooks: install_output_hooks "
+        "leaves those models alone (renamed, DataParallel replicas would get the hooks twice)",
+    ),
+)
+# Names imported from modules of accelerate and transformers that their documentation does not list:
+# (module, name, why).
+IMPORTED_NAMES = (
+    (
+        "accelerate.commands.config",
+        "default_config_file",
+        "`hf-parallel env` reports accelerate's default config (a guarded import: unknown without it)",
+    ),
+    (
+        "transformers.utils.output_capturing",
+        "maybe_install_capturing_hooks",
+        "install_output_hooks installs the hooks once before replicating (a guarded import: without it, nothing is "
+        "installed and each replica installs them)",
+    ),
+)
 
 
 @contextlib.contextmanager

@@ -232,6 +232,15 @@ def test_env_reports_versions_backends_mode_and_global_batch(gpus, no_launcher, 
     assert "Effective global batch (rows per optimizer step): 32" in out
 
 
+def test_env_reports_even_if_accelerate_moves_its_default_config_name(gpus, no_launcher, capsys, monkeypatch):
+    import accelerate.commands.config as accelerate_config
+
+    gpus(0)
+    monkeypatch.delattr(accelerate_config, "default_config_file")
+    assert main(["env"]) == 0
+    assert "accelerate default config: unknown (" in capsys.readouterr().out
+
+
 def test_env_under_a_cpu_launch_reports_ddp(gpus, no_launcher, capsys):
     gpus(0)
     no_launcher.setenv("WORLD_SIZE", "2")

@@ -3,9 +3,11 @@ upgrade of transformers or accelerate that changes one fails here, by name, inst
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
+import torch
 import transformers
 from packaging.version import Version
 
@@ -15,8 +17,10 @@ from hf_parallel.upstream import (
     CHECKED_IN,
     GRADIENT_STATE_ATTRIBUTES,
     HOOKS,
+    IMPORTED_NAMES,
     INSTANCE_ATTRIBUTES,
     NOT_OVERRIDDEN,
+    PRIVATE_ATTRIBUTES,
     TRAINING_ATTRIBUTES,
     temporarily,
 )
@@ -93,6 +97,66 @@ def test_gradient_state_attributes_exist():
     state = GradientState()
     for name in GRADIENT_STATE_ATTRIBUTES:
         assert hasattr(state, name), f"accelerate's GradientState.{name} is gone"
+
+
+def _owners_of_private_attributes() -> dict:
+    """The objects `PRIVATE_ATTRIBUTES` names, made by the installed accelerate and transformers."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(cpu=True)
+    recorded = tiny_bert_classifier()
+    recorded(input_ids=torch.ones(1, 4, dtype=torch.long), output_hidden_states=True)
+    return {
+        "prepared model": accelerator.prepare(tiny_bert_classifier()),
+        "DataLoaderShard": accelerator.prepare(DataLoader(range(4), batch_size=2)),
+        "accelerator": accelerator,
+        "PreTrainedModel": recorded.base_model,  # the model whose forward records the hidden states
+    }
+
+
+def test_private_attributes_we_rely_on_exist():
+    owners = _owners_of_private_attributes()
+    assert type(owners["DataLoaderShard"]).__name__ == "DataLoaderShard"
+    for owner, name, why in PRIVATE_ATTRIBUTES:
+        assert hasattr(owners[owner], name), f"{owner}.{name} is gone ({why})"
+    # The marks are set, not only declared: hf_parallel reads them with getattr(..., False).
+    assert owners["prepared model"]._is_accelerate_prepared is True
+    assert owners["PreTrainedModel"]._output_capturing_hooks_installed is True
+
+
+@pytest.mark.parametrize(("module", "name", "why"), IMPORTED_NAMES, ids=[row[1] for row in IMPORTED_NAMES])
+def test_imported_names_exist(module, name, why):
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone ({why})"
+
+
+def test_the_state_exact_loop_writes_steers_accumulate():
+    # What ExactLoop writes (hf_parallel/loop.py, LoopStep._sync_at and ExactLoop._mark_padding) still means to
+    # accelerate what it meant: the dataloader's `_drop_last` is the DataLoader's, its `end_of_dataloader` is the
+    # GradientState's, and `accelerator.step` is the count accumulate() syncs on.
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    for drop_last in (False, True):
+        assert accelerator.prepare(DataLoader(range(5), batch_size=2, drop_last=drop_last))._drop_last is drop_last
+    loader = accelerator.prepare(DataLoader(range(8), batch_size=2))
+    for index, _ in enumerate(loader):
+        if index > 0:
+            continue
+        assert accelerator.gradient_state.active_dataloader is loader
+        loader.end_of_dataloader = False
+        for step, syncs in ((accelerator.gradient_state.num_steps - 1, True), (0, False)):
+            accelerator.step = step
+            with accelerator.accumulate(model):
+                assert accelerator.sync_gradients is syncs, f"accelerator.step={step}"
+        loader.end_of_dataloader = True
+        assert accelerator.gradient_state.end_of_dataloader
+        accelerator.step = 0
+        with accelerator.accumulate(model):
+            assert accelerator.sync_gradients, "end_of_dataloader no longer syncs accumulate()"
+        loader.end_of_dataloader = False
 
 
 def test_ci_checks_the_releases_the_table_names():

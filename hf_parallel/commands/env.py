@@ -119,13 +119,21 @@ def _devices(num_gpus: int) -> list[str]:
     return lines
 
 
-def _launch() -> list[str]:
-    from accelerate.commands.config import default_config_file
+def _accelerate_default_config() -> str:
+    """Where `accelerate config` saved its default config, `none`, or why it is unknown (pinned in
+    `hf_parallel.upstream.IMPORTED_NAMES`: a newer accelerate that moves the name must not break the report)."""
+    try:
+        from accelerate.commands.config import default_config_file
+    except ImportError:
+        return "unknown (this accelerate has no accelerate.commands.config.default_config_file)"
+    return default_config_file if os.path.isfile(default_config_file) else "none"
 
+
+def _launch() -> list[str]:
     launch = launcher_variables()
     return [
         "Launcher variables: " + (", ".join(f"{k}={v}" for k, v in launch.items()) or "none (no launcher)"),
-        f"accelerate default config: {default_config_file if os.path.isfile(default_config_file) else 'none'}",
+        f"accelerate default config: {_accelerate_default_config()}",
     ]
 
 

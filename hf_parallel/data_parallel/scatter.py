@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
+# Whether an object is a namedtuple instance (torch's `scatter` and `gather` rebuild those by field): accelerate's
+# test is the same one (a tuple with `_asdict` and `_fields`); re-exported here under its old name.
+from accelerate.utils import is_namedtuple
+
 __all__ = ["batch_rows", "is_namedtuple", "scatter_inputs", "scatter_structure"]
-
-
-def is_namedtuple(obj: Any) -> bool:
-    """Whether `obj` is a namedtuple instance (torch's `scatter` and `gather` rebuild those by field)."""
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
 def _walk_tensors(obj: Any, path: str):

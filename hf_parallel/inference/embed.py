@@ -151,6 +151,8 @@ def _iterate(model: nn.Module, dataset, state, options: _Options) -> Iterator[to
     The preparation runs on the first `next`, inside the steps, so that a process failing there (out of memory
     while moving the model, say) is reported to the others like a failure in a batch.
     """
+    from accelerate.utils import send_to_device
+
     module, device = _prepare(model, state, options)
     batches = shard_batches(len(dataset), options.batch_size, state.num_processes, state.process_index)
     loader = torch.utils.data.DataLoader(
@@ -163,7 +165,7 @@ def _iterate(model: nn.Module, dataset, state, options: _Options) -> Iterator[to
         try:
             if isinstance(batch.get("attention_mask"), torch.Tensor):
                 check_rows_have_tokens(batch["attention_mask"])
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = send_to_device(dict(batch), device)  # a plain dict, as the model call gets it
             with torch.inference_mode():
                 local = module(**batch).to(options.dtype)
         except ValueError as error:

@@ -44,11 +44,14 @@ def track_trainer(trainer) -> None:
 
 
 def _drop_wrappers(trainer) -> None:
-    # The DDP wrapper is held by the Trainer (model_wrapped) and by accelerate's list of prepared models.
+    # The DDP wrapper is held by the Trainer (model_wrapped) and by accelerate's list of prepared models, which
+    # `Accelerator.free_memory` empties. It also forgets the prepared optimizers, schedulers and dataloaders (the
+    # Trainer still holds its own), resets the accumulation count, destroys a DeepSpeed engine and runs
+    # `gc.collect()` and the device's `empty_cache()`: all fine for a run that is over, as no collective can follow.
     trainer.model_wrapped = trainer.model
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is not None:
-        accelerator._models.clear()
+        accelerator.free_memory()
 
 
 def release_distributed() -> None:

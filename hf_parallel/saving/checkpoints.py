@@ -348,6 +348,8 @@ def check_reload(trainer, output_dir: str, model_class: type | None = None, tole
         print(f"max |diff| = {check_reload(trainer, args.output_dir):.2e}")
     ```
     """
+    from accelerate.utils import send_to_device
+
     trained = unwrap_model(trainer.model)
     loader = model_class if model_class is not None else type(trained)
     reloaded, info = loader.from_pretrained(output_dir, output_loading_info=True)
@@ -358,7 +360,8 @@ def check_reload(trainer, output_dir: str, model_class: type | None = None, tole
     reloaded.to(device).eval()
     trained.eval()
     batch = next(iter(trainer.get_eval_dataloader()))
-    inputs = {k: v.to(device) for k, v in batch.items() if k not in getattr(trainer, "label_names", ["labels"])}
+    labels = getattr(trainer, "label_names", ["labels"])
+    inputs = send_to_device({k: v for k, v in batch.items() if k not in labels}, device)
     with torch.no_grad():
         expected, actual = trained(**inputs).logits, reloaded(**inputs).logits
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)

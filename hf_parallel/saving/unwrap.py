@@ -54,6 +54,28 @@ def _inner(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _data_parallel_inner(module: nn.Module) -> nn.Module | None:
+    """The module an `nn.DataParallel` / `DistributedDataParallel` (or subclass) holds, or `None` for any other."""
+    return module.module if isinstance(module, DATA_PARALLEL_CLASSES) else None
+
+
+def _peel(model: nn.Module, inner=_inner) -> tuple[list[nn.Module], nn.Module]:
+    """
+    The one unwrapping walk: the wrappers around `model`, outermost first, and the module inside them, where
+    `inner(module)` gives the module one wrapper holds (`None` when it is no wrapper). A wrapper that (indirectly)
+    holds itself raises a `ValueError` instead of looping forever.
+    """
+    wrappers: list[nn.Module] = []
+    seen = set()
+    while (held := inner(model)) is not None:
+        if id(model) in seen:
+            raise ValueError(f"{type(model).__name__} wraps itself; cannot unwrap it.")
+        seen.add(id(model))
+        wrappers.append(model)
+        model = held
+    return wrappers, model
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """
     Return the model inside any number of wrappers, nested in any order.
@@ -61,6 +83,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     Removes `nn.DataParallel` (and subclasses such as `BalancedDataParallel`), `DistributedDataParallel`,
     `torch.compile`'s `OptimizedModule` and the wrappers accelerate prepares (DeepSpeed's engine, FSDP). The returned
     module shares its parameters with `model`, so training through the wrapper and saving the result is safe.
+
+    This is hf_parallel's one unwrapping walk (`unwrap_user_model` runs it for the data-parallel wrappers only). It is
+    not accelerate's `extract_model_from_parallel` (what `Accelerator.unwrap_model` runs), which is not the same: it
+    removes `torch.compile`'s wrapper only when it is the outermost (`nn.DataParallel(torch.compile(model))` comes
+    back compiled, its keys still `_orig_mod.`-prefixed), and it reads `torch.nn.DataParallel` at each call, which
+    may be rebound for a while (see `DATA_PARALLEL_CLASSES`).
 
     Args:
         model (`torch.nn.Module`):
@@ -79,13 +107,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unwrap_model expects a torch.nn.Module, got {type(model).__name__}.")
-    seen = set()
-    while (inner := _inner(model)) is not None:
-        if id(model) in seen:  # a wrapper that (indirectly) holds itself would loop forever
-            raise ValueError(f"{type(model).__name__} wraps itself; cannot unwrap it.")
-        seen.add(id(model))
-        model = inner
-    return model
+    return _peel(model)[1]
 
 
 def _normalise(key: str) -> str:
@@ -220,10 +242,8 @@ def unwrap_user_model(model: nn.Module | None, args) -> tuple[nn.Module | None, 
     """
     if not isinstance(model, DATA_PARALLEL_CLASSES):
         return model, args
-    wrappers = []
-    while isinstance(model, DATA_PARALLEL_CLASSES):
-        wrappers.append(model)
-        model = model.module
+    # Only the data-parallel wrappers the Trainer makes itself: a torch.compile'd model inside stays compiled.
+    wrappers, model = _peel(model, _data_parallel_inner)
     names = " in ".join(type(w).__name__ for w in wrappers)
     for wrapper in wrappers:
         args = _split_settings_from(wrapper, args)
