@@ -30,14 +30,13 @@ which the loss given undoes. The rows a sampler repeats to fill the last batch o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from torch import nn
-from torch.utils.data import DistributedSampler
 
 from .exact import (
     AUTOCAST_DTYPES,
@@ -46,13 +45,13 @@ from .exact import (
     ExactLoss,
     LossHead,
     RunContext,
+    SamplerPadding,
     StepCounts,
     batch_device,
     count_samples,
     epoch_end,
     micro_batch_loss,
     replica_autocast,
-    rows_of,
 )
 from .launch.validation import check_whole_number
 from .saving.unwrap import unwrap_model
@@ -207,14 +206,14 @@ class ExactLoop:
         return float(self.exact.reduce_sum(mean) / self.num_processes if self.num_processes > 1 else mean)
 
     # ---- Shared ----
-    def _padding(self, dataloader, name: str) -> _SamplerPadding:
+    def _padding(self, dataloader, name: str) -> SamplerPadding:
         """Where `dataloader`'s padding samples will be told: a DistributedSampler's, or (accelerate) the samples of an
         iterable dataset each rank reads itself, counted (`hf_parallel.exact.streams`; warned where they cannot be)."""
         if self.accelerator is not None:
             cannot = count_samples(dataloader, name)
             if cannot is not None:
                 self.exact.warn_once(cannot)
-        return _SamplerPadding(dataloader, self.process_index, self.num_processes)
+        return SamplerPadding(dataloader, self.process_index, self.num_processes)
 
     def _mark_padding(self, head: LossHead, batches: list[dict], end: EpochEnd | None, padding) -> list[dict]:
         if self.accelerator is not None:
@@ -363,9 +362,8 @@ def _stock_loss(outputs: Any) -> torch.Tensor:
 
 
 def _to_device(batch: Any, device) -> Any:
-    if device is None or not isinstance(batch, dict):
-        return batch
-    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+    """The batch on `device` (nested values too; a tensor already there is the same object); as it is for None."""
+    return batch if device is None else send_to_device(batch, device)
 
 
 def _same_labels(own: dict, batch: dict) -> bool:
@@ -373,29 +371,3 @@ def _same_labels(own: dict, batch: dict) -> bool:
     if not isinstance(batch, dict) or own.keys() - {REAL_ROWS_KEY} != batch.keys() - {REAL_ROWS_KEY}:
         return False
     return all(own[key] is batch[key] for key in batch if torch.is_tensor(batch[key]))
-
-
-class _SamplerPadding:
-    """
-    The samples a `DistributedSampler` repeats to give every rank as many (`drop_last=False`): the padded index list
-    is dealt out round-robin, so rank r's real samples are the first ceil((N - r) / W) it reads in an epoch.
-    """
-
-    def __init__(self, dataloader, rank: int, world: int):
-        sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler):
-            sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
-        self.real = None
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and world > 1:
-            self.real = max(0, math.ceil((len(sampler.dataset) - rank) / world))
-        self.seen = 0
-
-    def mark(self, head: LossHead, batches: list[dict]) -> None:
-        if self.real is None:
-            return
-        for batch in batches:
-            rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
-            real = min(rows, max(0, self.real - self.seen))
-            self.seen += rows
-            if real < rows:
-                batch[REAL_ROWS_KEY] = real

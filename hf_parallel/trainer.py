@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -17,23 +16,27 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .exact import (
-    CrossEntropyHead,
     ExactLoss,
     LossHead,
     RunContext,
     StepCounts,
     count_samples,
-    epoch_end,
     gather_samples,
-    is_data_parallel,
     micro_batch_loss,
     pull_batches,
     replica_autocast,
-    replica_precision,
     stock_compute_loss,
+    stock_replica_precision,
     stock_training_step,
 )
-from .launch.guards import batch_statistics_split, check_launch, check_not_empty, check_sharding
+from .launch.guards import (
+    batch_statistics_split,
+    check_launch,
+    check_not_empty,
+    check_sharding,
+    evaluation_dataset_name,
+)
+from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
 from .saving.checkpoints import checkpoint_weight_files, load_state_dict
 from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
@@ -168,11 +171,15 @@ class TrainerMixin:
         head = self._exact_head(inputs)
         if head is None or not head.has_labels(inputs):
             count = StepCounts.as_stock(num_items_in_batch)
-            with self._replica_precision(model):
+            with stock_replica_precision(model, self.accelerator.mixed_precision):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
         step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
         if step is None and self.exact.evaluating:
-            inputs = self._mark_evaluation_padding(head, inputs)
+            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
+            accelerator = self.accelerator
+            inputs = self.exact.mark_evaluation_padding(
+                head, inputs, accelerator.gradient_state, accelerator.process_index, pads
+            )
         context = RunContext(
             owner=self.model,
             loss_func=self.compute_loss_func,
@@ -188,28 +195,6 @@ class TrainerMixin:
             outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
         return loss, outputs
 
-    def _mark_evaluation_padding(self, head: LossHead, inputs: dict) -> dict:
-        """
-        The last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding, for a
-        cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per forward,
-        from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows are 0 too.
-        """
-        if not isinstance(head, CrossEntropyHead) or self.accelerator.num_processes == 1:
-            return inputs
-        inputs = dict(inputs)
-        pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
-        end = epoch_end(self.accelerator.gradient_state)
-        self.exact.mark_padding(head, [inputs], end, self.accelerator.process_index, pads)
-        return inputs
-
-    def _replica_precision(self, model: nn.Module):
-        """For the stock loss under DataParallel: the requested mixed precision in every replica (see
-        `hf_parallel.exact.replicas`); a no-op otherwise."""
-        dtype = replica_autocast(self.accelerator.mixed_precision)
-        if dtype is None or not is_data_parallel(model):
-            return contextlib.nullcontext()
-        return replica_precision(model, dtype)
-
     def evaluation_loop(
         self,
         dataloader,
@@ -218,7 +203,7 @@ class TrainerMixin:
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ):
-        dataset_name = _dataset_name(description, metric_key_prefix)
+        dataset_name = evaluation_dataset_name(description, metric_key_prefix)
         # getattr, as stock: a dataloader need not have a `.dataset` (transformers supports one without it).
         check_not_empty(getattr(dataloader, "dataset", None), dataset_name)
         self._count_samples(dataloader, dataset_name)
@@ -267,7 +252,6 @@ class TrainerMixin:
             self._tr_loss.copy_(self.accelerator.reduce(self._tr_loss.detach().clone(), reduction="mean"))
         return super()._finalize_training(trial, num_train_samples, start_time)
 
-    # ---- DDP after evaluate() ----
     def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
@@ -275,7 +259,10 @@ class TrainerMixin:
         ignore_keys_for_eval: list[str] | None = None,
     ):
         check_not_empty(self.train_dataset, "train_dataset")
-        self._undo_evaluation_only_prepare()
+        if self.args.parallel_mode == ParallelMode.DISTRIBUTED and unmark_evaluation_prepare(
+            self.model, self.model_wrapped, self.accelerator
+        ):
+            self.model_wrapped = self.model  # train() wraps it in DDP again
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, Gpu0BszAdvisorCallback) and callback.exact is None:
                 callback.exact = self.exact  # it measures once the check of the loss head has settled
@@ -284,25 +271,6 @@ class TrainerMixin:
             if split is not None:
                 self.exact.warn_once(f"exact_loss: {split}")
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
-
-    def _undo_evaluation_only_prepare(self) -> None:
-        """
-        `evaluate()` before `train()` under DDP prepares the bare model in evaluation mode, which marks it as prepared;
-        `train()` then asks accelerate to prepare it again, which returns it unwrapped: ranks train without DDP and
-        drift apart silently. Unmark it so that training wraps it. With `torch_compile` the evaluation prepare
-        returns the compiled model, which is unmarked too. Remove when transformers wraps it: the stock control
-        `tests/test_exact_loss.py::test_control_stock_ddp` asserts the trap and fails once stock behaves.
-        """
-        model, wrapped = self.model, self.model_wrapped
-        if (
-            self.args.parallel_mode == ParallelMode.DISTRIBUTED
-            and getattr(wrapped, "_orig_mod", wrapped) is model  # no DDP between them, at most torch.compile's wrapper
-            and getattr(model, "_is_accelerate_prepared", False)
-        ):
-            for prepared in (model, wrapped):
-                prepared._is_accelerate_prepared = False
-            self.accelerator._models[:] = [m for m in self.accelerator._models if m is not model and m is not wrapped]
-            self.model_wrapped = model
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
     def _plain_weights_checkpoint(self, model: nn.Module | None, checkpoint: str | None) -> bool:
@@ -342,14 +310,6 @@ class TrainerMixin:
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)
-
-
-def _dataset_name(description: str, metric_key_prefix: str) -> str:
-    """How the user passed an evaluation loop's dataset: eval_dataset (a dict entry by its key) or test_dataset."""
-    name = "eval_dataset" if description == "Evaluation" else "test_dataset"
-    if metric_key_prefix not in ("eval", "test"):
-        name += f"[{metric_key_prefix.removeprefix('eval_')!r}]"
-    return name
 
 
 class Trainer(TrainerMixin, transformers.Trainer):

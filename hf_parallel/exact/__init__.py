@@ -60,8 +60,14 @@ from .heads import (
     token_losses,
 )
 from .heads.contrastive import rows_of
-from .remainder import REAL_ROWS_KEY, EpochEnd, epoch_end, pull_batches, real_rows
-from .replicas import AUTOCAST_DTYPES, is_data_parallel, replica_autocast, replica_precision
+from .remainder import REAL_ROWS_KEY, EpochEnd, SamplerPadding, epoch_end, pull_batches, real_rows
+from .replicas import (
+    AUTOCAST_DTYPES,
+    is_data_parallel,
+    replica_autocast,
+    replica_precision,
+    stock_replica_precision,
+)
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .streams import count_samples, gather_samples
 from .terms import EvalTotals, StepCounts, Terms, batch_device, sequence_length
@@ -84,6 +90,7 @@ __all__ = [
     "ReplicaCheck",
     "Route",
     "RunContext",
+    "SamplerPadding",
     "StepCounts",
     "Terms",
     "UnsupportedHead",
@@ -104,6 +111,7 @@ __all__ = [
     "rows_of",
     "sequence_length",
     "stock_compute_loss",
+    "stock_replica_precision",
     "stock_training_step",
     "token_losses",
 ]

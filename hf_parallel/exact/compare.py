@@ -258,22 +258,10 @@ def replica_check(
     # Without logits no other candidate can be computed (nor chosen: it cannot fit); as many terms all the same.
     terms = [first, *(terms_of(c) if has_logits else first for c in candidates[1:])]
     loss = model_loss(outputs)
-    fits = torch.full((1, len(candidates)), float("nan"), device=device)
-    losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
-    honours = torch.full((1, 1), float("nan"), device=device)
     divisors: list[float | None] = [None] * len(candidates)
-    mean = torch.zeros(1, device=device)
-    if loss is not None:
-        n = float(count.detach()) if count is not None else None
-        if not has_logits:
-            honours[0, 0] = _honours_by_gradient(loss, count)
-        else:
-            extra = float(router) if router is not None else 0.0
-            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched, extra)
-        mean = loss
-        if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
-            mean = loss * (n / max(int(first[1].sum()), 1))
-        losses[0, 0] = mean.detach().double()
+    fits, losses, honours, mean = _verdicts(
+        candidates, terms_of, loss, count, has_logits, divisors, mismatched, router, device
+    )
     # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
     graph_sums = _graph_sums(terms, loss, divisors, _graph_zero(outputs)) if gradient_from_loss else None
     unknown = torch.full((1, 1), float("nan"), device=device)
@@ -287,6 +275,31 @@ def replica_check(
         counts=tuple(t[1] for t in terms),
         graph_sums=graph_sums,
     )
+
+
+def _verdicts(candidates, terms_of, loss, count, has_logits: bool, divisors: list, mismatched: set, router, device):
+    """
+    The model's loss against each candidate's: `fits` `[1, candidates]`, `losses` `[1, 2]` (the model's mean, the
+    closest candidate's), `honours` `[1, 1]` (whether the model divided by the count it was given) and the model's
+    loss as a mean of its items; NaN where the forward returned no loss. `divisors` is filled per candidate.
+    """
+    fits = torch.full((1, len(candidates)), float("nan"), device=device)
+    losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
+    honours = torch.full((1, 1), float("nan"), device=device)
+    mean = torch.zeros(1, device=device)
+    if loss is None:
+        return fits, losses, honours, mean
+    n = float(count.detach()) if count is not None else None
+    if not has_logits:
+        honours[0, 0] = _honours_by_gradient(loss, count)
+    else:
+        extra = float(router) if router is not None else 0.0
+        honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched, extra)
+    mean = loss
+    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
+        mean = loss * (n / max(int(terms_of(candidates[0])[1].sum()), 1))
+    losses[0, 0] = mean.detach().double()
+    return fits, losses, honours, mean
 
 
 def _device_of(outputs) -> torch.device:

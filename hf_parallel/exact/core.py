@@ -23,21 +23,20 @@ from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead, Route, routed
-from .heads.contrastive import rows_of
 from .remainder import (
     REAL_ROWS_KEY,
     TARGET_KEYS,
     EpochEnd,
+    epoch_end,
     first_rows,
+    mark_padding,
     mask_padding,
-    real_rows,
     sample_ids_of,
-    samples_in,
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .terms import EvalTotals, StepCounts, Terms, chosen_terms, sequence_length
 
-__all__ = ["EvalTotals", "ExactLoss", "StepCounts", "sequence_length"]
+__all__ = ["ExactLoss", "padded_count"]
 
 
 logger = logging.get_logger("hf_parallel.exact")
@@ -202,12 +201,25 @@ class ExactLoss:
         self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
         return False
 
+    def mark_evaluation_padding(self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool):
+        """
+        A copy of the last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding,
+        for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
+        forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
+        are 0 too. `inputs` itself for any other head, and without DDP.
+        """
+        if not isinstance(head, CrossEntropyHead) or self.num_processes == 1:
+            return inputs
+        inputs = dict(inputs)
+        self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)
+        return inputs
+
     # ---- Training: count the step, then each micro-batch's S / C ----
     def count_step(
         self, head: LossHead, batches: list[dict], device: torch.device | None = None, main_input_name="input_ids"
     ) -> StepCounts:
         """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
-        counts = sum(self._count(head, batch, main_input_name).to(device) for batch in batches)
+        counts = sum(padded_count(head, batch, main_input_name).to(device) for batch in batches)
         if self.num_processes == 1:
             step = StepCounts(counts, 1, len(batches))
         else:
@@ -227,50 +239,9 @@ class ExactLoss:
     def mark_padding(
         self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
     ) -> None:
-        """
-        Mark the padding rows of an epoch's last batch (see `hf_parallel.exact.remainder`), so that they are left out
-        of the counts and sums.
-
-        Args:
-            head (`LossHead`): the step's head.
-            batches (`list[dict]`): this rank's micro-batches of the step; only the last can hold padding.
-            end (`EpochEnd`, *optional*): set when the last batch ends the epoch.
-            process_index (`int`): this rank.
-            pads (`bool`): whether the dataloader pads its last global batch (accelerate's `even_batches`, without
-                `dataloader_drop_last`).
-        """
-        if end is None or not (pads or end.counted) or self.num_processes == 1 or not batches:
-            return
-        if end.remainder < 0:
-            self.warn_once(
-                "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
-                "its samples could not be counted, so the rows accelerate repeats to fill the last step of an epoch "
-                "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
-                "rank 0 dispatch the batches."
-            )
-            return
-        last = batches[-1]
-        if head.label_keys:
-            samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
-        else:  # a contrastive batch, without labels
-            samples = rows_of(last)
-        real = real_rows(samples, end.remainder, process_index)
-        if real is not None and real < samples:
-            last[REAL_ROWS_KEY] = real
-
-    @staticmethod
-    def _count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
-        seq_len = sequence_length(batch, main_input_name)
-        real = batch.get(REAL_ROWS_KEY)
-        if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
-            return head.count(batch, seq_len)
-        # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
-        sample_ids = sample_ids_of(head, batch)
-        if isinstance(head, CrossEntropyHead):
-            # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
-            # labels counts as this does.
-            return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)
-        return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
+        """Mark the padding rows of an epoch's last batch (`hf_parallel.exact.remainder.mark_padding`)."""
+        if self.num_processes > 1:
+            mark_padding(head, batches, end, process_index, pads, self.warn_once)
 
     def reduce(self, head: LossHead, terms: Terms, step: StepCounts | None) -> torch.Tensor:
         """
@@ -374,3 +345,18 @@ class ExactLoss:
         totals, self._eval_totals = self._eval_totals, None
         self.outputs_wanted = True
         return totals.value() if totals is not None else None
+
+
+def padded_count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
+    """A batch's item counts per term, the padding rows marked in it (`REAL_ROWS_KEY`) left out."""
+    seq_len = sequence_length(batch, main_input_name)
+    real = batch.get(REAL_ROWS_KEY)
+    if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
+        return head.count(batch, seq_len)
+    # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
+    sample_ids = sample_ids_of(head, batch)
+    if isinstance(head, CrossEntropyHead):
+        # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
+        # labels counts as this does.
+        return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)
+    return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)

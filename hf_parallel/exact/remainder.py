@@ -21,19 +21,25 @@ and evaluation's duplicate removal work on samples, not on the one row.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from .heads import IGNORE_INDEX, REAL_ROWS_KEY
+from .heads.contrastive import rows_of
 from .streams import stream_remainder
 
 __all__ = [
     "REAL_ROWS_KEY",
     "TARGET_KEYS",
     "EpochEnd",
+    "SamplerPadding",
     "epoch_end",
     "first_rows",
+    "mark_padding",
     "mask_padding",
     "packed_sample_ids",
     "pull_batches",
@@ -150,3 +156,67 @@ def sample_ids_of(head, batch: dict) -> torch.Tensor | None:
 def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:
     """How many samples a batch holds: its rows, or the sequences of a packed row."""
     return int(sample_ids.max()) + 1 if sample_ids is not None else len(batch[label_key])
+
+
+def mark_padding(
+    head, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool, warn_once: Callable[[str], None]
+) -> None:
+    """
+    Mark the padding rows of an epoch's last batch (see `hf_parallel.exact.remainder`), so that they are left out
+    of the counts and sums.
+
+    Args:
+        head (`LossHead`): the step's head.
+        batches (`list[dict]`): this rank's micro-batches of the step; only the last can hold padding.
+        end (`EpochEnd`, *optional*): set when the last batch ends the epoch.
+        process_index (`int`): this rank.
+        pads (`bool`): whether the dataloader pads its last global batch (accelerate's `even_batches`, without
+            `dataloader_drop_last`).
+        warn_once (`Callable`): warns once per message (an iterable set whose samples could not be counted).
+    """
+    if end is None or not (pads or end.counted) or not batches:
+        return
+    if end.remainder < 0:
+        warn_once(
+            "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
+            "its samples could not be counted, so the rows accelerate repeats to fill the last step of an epoch "
+            "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
+            "rank 0 dispatch the batches."
+        )
+        return
+    last = batches[-1]
+    if head.label_keys:
+        samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
+    else:  # a contrastive batch, without labels
+        samples = rows_of(last)
+    real = real_rows(samples, end.remainder, process_index)
+    if real is not None and real < samples:
+        last[REAL_ROWS_KEY] = real
+
+
+class SamplerPadding:
+    """
+    The samples a `DistributedSampler` repeats to give every rank as many (`drop_last=False`): the padded index list
+    is dealt out round-robin, so rank r's real samples are the first ceil((N - r) / W) it reads in an epoch.
+    `mark` marks the padding rows of each micro-batch (`REAL_ROWS_KEY`) as they come (a hand-written loop's
+    dataloader, which accelerate did not prepare).
+    """
+
+    def __init__(self, dataloader, rank: int, world: int):
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler):
+            sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        self.real = None
+        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and world > 1:
+            self.real = max(0, math.ceil((len(sampler.dataset) - rank) / world))
+        self.seen = 0
+
+    def mark(self, head, batches: list[dict]) -> None:
+        if self.real is None:
+            return
+        for batch in batches:
+            rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
+            real = min(rows, max(0, self.real - self.seen))
+            self.seen += rows
+            if real < rows:
+                batch[REAL_ROWS_KEY] = real

@@ -250,6 +250,17 @@ def replicating(wrapper: nn.DataParallel, step: ReplicaStep) -> Iterator[None]:
         yield
 
 
+def stock_replica_precision(model: nn.Module, mixed_precision: str | None):
+    """
+    For the stock loss under DataParallel: accelerate's `mixed_precision` in every replica (`replica_precision`); a
+    no-op for another model, or without mixed precision.
+    """
+    dtype = replica_autocast(mixed_precision)
+    if dtype is None or not is_data_parallel(model):
+        return contextlib.nullcontext()
+    return replica_precision(model, dtype)
+
+
 @contextlib.contextmanager
 def replica_precision(wrapper: nn.DataParallel, autocast_dtype: torch.dtype) -> Iterator[None]:
     """

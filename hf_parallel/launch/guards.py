@@ -284,6 +284,14 @@ def check_sharding(args, accelerator) -> None:
         logger.warning(reason)
 
 
+def evaluation_dataset_name(description: str, metric_key_prefix: str) -> str:
+    """How the user passed an evaluation loop's dataset: eval_dataset (a dict entry by its key) or test_dataset."""
+    name = "eval_dataset" if description == "Evaluation" else "test_dataset"
+    if metric_key_prefix not in ("eval", "test"):
+        name += f"[{metric_key_prefix.removeprefix('eval_')!r}]"
+    return name
+
+
 def check_not_empty(dataset, name: str) -> None:
     """
     Raise when `dataset` has a length and it is 0: stock then trains 0 steps with a message about IterableDatasets,
