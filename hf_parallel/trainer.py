@@ -9,7 +9,6 @@ import torch
 import transformers
 from accelerate.utils import DistributedType
 from torch import nn
-from transformers.trainer import _is_peft_model
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
@@ -38,7 +37,7 @@ from .launch.guards import (
 )
 from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
-from .saving.checkpoints import checkpoint_weight_files, load_state_dict
+from .saving.checkpoints import load_state_dict, plain_weights_checkpoint
 from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .upstream import temporarily
@@ -273,13 +272,8 @@ class TrainerMixin:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
-    def _plain_weights_checkpoint(self, model: nn.Module | None, checkpoint: str | None) -> bool:
-        """Whether loading `checkpoint` is a plain state-dict load, the case the stock code gets wrong on prefixes."""
-        if checkpoint is None or self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled():
-            return False
-        if model is not None and _is_peft_model(unwrap_model(model)):
-            return False
-        return bool(checkpoint_weight_files(checkpoint))
+    def _sharded_state(self) -> bool:
+        return self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled()
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         inner = unwrap_model(self.model) if isinstance(self.model, nn.Module) else self.model
@@ -296,7 +290,7 @@ class TrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if model is None:
             model = self.model
-        if not self._plain_weights_checkpoint(model, resume_from_checkpoint):
+        if not plain_weights_checkpoint(resume_from_checkpoint, model, self._sharded_state()):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # Stock loads with strict=False into the model as it is: a checkpoint with `module.` keys (an older run,
         # a user-wrapped model) then resumes from random weights with only a warning. Match keys across wrappers,
@@ -306,7 +300,7 @@ class TrainerMixin:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if not self._plain_weights_checkpoint(self.model, best):
+        if not plain_weights_checkpoint(best, self.model, self._sharded_state()):
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)

@@ -163,6 +163,12 @@ IMPORTED_NAMES = (
         "install_output_hooks installs the hooks once before replicating (a guarded import: without it, nothing is "
         "installed and each replica installs them)",
     ),
+    (
+        "transformers.trainer",
+        "_is_peft_model",
+        "a checkpoint of a PEFT model is loaded by its own loader, not as plain weights (plain_weights_checkpoint); "
+        "the Trainer module's own test, so a PEFT model counts as stock counts it",
+    ),
 )
 
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..saving.unwrap import unwrap_model
 from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
 
 __all__ = [
@@ -99,8 +100,8 @@ def accepts_item_count(model: nn.Module) -> bool:
 
 
 def _base_model(model: nn.Module) -> nn.Module:
-    while isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DDP
-        model = model.module
+    """The transformers model inside every wrapper (`unwrap_model`) and a PEFT model."""
+    model = unwrap_model(model)
     base = getattr(model, "get_base_model", None)  # PEFT: its forward passes **kwargs on to the model's
     return base() if callable(base) and getattr(model, "active_peft_config", None) is not None else model
 
