@@ -48,7 +48,7 @@ STEPS = ("tests", "data_parallel", "balance", "suite")
 # what is left of --budget.
 TIME_BOXES = {"tests": 200, "data_parallel": 150, "balance": 150, "suite": 420}
 # The dry run's suite: two small modules, enough to run the shards and their summary.
-DRY_SUITE = ["tests/test_chunking.py", "tests/test_training_args.py"]
+DRY_SUITE = ["tests/data_parallel/test_chunking.py", "tests/test_training_args.py"]
 SETUP_CFG = Path(__file__).resolve().parents[1] / "setup.cfg"
 # What every step imports: missing or outside setup.cfg's range, the run stops before the first step.
 NEEDED = ("torch", "transformers", "accelerate")

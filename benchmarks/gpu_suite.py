@@ -4,7 +4,7 @@ every failing or erroring test by name with its first error line, the counts, an
 as one `pytest -q` (the sum of the tests' own times, the wall time of the shards aside).
 
     python -m benchmarks.gpu_suite                  # 4 shards of the default suite, stopped after 420 s
-    python -m benchmarks.gpu_suite --shards 2 --box 60 tests/test_chunking.py tests/test_cli.py
+    python -m benchmarks.gpu_suite --shards 2 --box 60 tests/data_parallel/test_chunking.py tests/commands/test_cli.py
 
 Test files are dealt to the shards largest first, each to the shard with the least so far; each shard is one pytest
 process with its own junit report (`-p no:cacheprovider`, so that shards do not write the same cache). The last line

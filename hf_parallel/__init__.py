@@ -90,7 +90,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-# Modules that moved when the package was laid out by purpose (0.2.0), by old path: `import hf_parallel.unwrap` and
+# Modules that moved when the package was laid out by purpose, by old path: `import hf_parallel.unwrap` and
 # `from hf_parallel.chunking import ...` keep giving the same module object, with a DeprecationWarning naming its home.
 _MOVED = {
     "chunking": "data_parallel.chunking",

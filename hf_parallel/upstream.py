@@ -7,7 +7,7 @@ exists. Attributes are read or set around a call to the stock method (`temporari
 
 `CHECKED_IN` names the releases in which every row was checked: CI (.ci/run) runs the whole suite on transformers
 5.19.0 (the oldest supported) and on what a fresh install resolves to (5.25.0 when this was written), and
-tests/test_upstream.py, tests/test_fsdp2.py and tests/test_resume.py on 5.24.0 as well.
+tests/test_upstream.py, tests/test_fsdp2.py and tests/saving/test_resume.py on 5.24.0 as well.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ NOT_OVERRIDDEN = (
         "get_resumed_dataloader",
         "5.25.0",
         "resuming mid-epoch skips the trained batches with accelerate's skip_first_batches, which keeps the epoch's "
-        "remainder (accelerate >= 1.16): the exact loss of the rest of the epoch holds (tests/test_resume.py)",
+        "remainder (accelerate >= 1.16): the exact loss of the rest of the epoch holds (tests/saving/test_resume.py)",
     ),
 )
 

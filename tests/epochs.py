@@ -1,6 +1,6 @@
 """
-The epoch-remainder runs shared by tests/test_exact_loss.py and tests/test_reach.py: one epoch, sequentially sampled,
-so that one device sees the same rows, then the leftover rows, as the DDP ranks together do.
+The epoch-remainder runs shared by tests/test_exact_loss.py and tests/exact/test_reach.py: one epoch, sequentially
+sampled, so that one device sees the same rows, then the leftover rows, as the DDP ranks together do.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """
-The exact loss inside DataParallel replicas (hf_parallel/exact/replicas.py, hf_parallel/replication.py), through the
-emulation of torch's DataParallel: what travels to device 0, mixed precision in the replica threads, tied and unused
-parameters, buffers when GPU 0 gets no rows, models that read their own device.
+The exact loss inside DataParallel replicas (hf_parallel/exact/replicas.py, hf_parallel/data_parallel/replication.py),
+through the emulation of torch's DataParallel: what travels to device 0, mixed precision in the replica threads, tied
+and unused parameters, buffers when GPU 0 gets no rows, models that read their own device.
 """
 
 from __future__ import annotations
