@@ -39,7 +39,6 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from .exact import (
-    AUTOCAST_DTYPES,
     REAL_ROWS_KEY,
     EpochEnd,
     ExactLoss,
@@ -48,6 +47,7 @@ from .exact import (
     SamplerPadding,
     StepCounts,
     batch_device,
+    caller_autocast,
     count_samples,
     epoch_end,
     micro_batch_loss,
@@ -233,11 +233,7 @@ class ExactLoop:
         """
         if self.accelerator is not None:
             return RunContext(autocast_dtype=replica_autocast(self.accelerator.mixed_precision))
-        for device_type in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(device_type):
-                dtype = torch.get_autocast_dtype(device_type)
-                return RunContext(autocast_dtype=dtype if dtype in AUTOCAST_DTYPES.values() else None)
-        return RunContext()
+        return RunContext(autocast_dtype=caller_autocast())
 
 
 class LoopStep:

@@ -5,6 +5,10 @@ A call's arguments are a structure of tensors and other objects (tuples, lists, 
 `scatter_structure` splits it into one piece per device the way torch's `scatter` walks it, with the tensor work
 given as functions (`split` and `copy`: torch's `Scatter` and a copy per device); `batch_rows` checks first that
 every tensor has the batch's rows.
+
+Not torch's `scatter_kwargs` itself, for two reasons: it cannot take chunk sizes of our choosing (it splits like
+`tensor.chunk`: 6 rows on 4 devices give [2, 2, 2], and `BalancedDataParallel` needs GPU 0's share), and it zips the
+pieces without `strict`, so one tensor with fewer rows silently drops rows of every other.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from .heads.contrastive import rows_of
 from .remainder import REAL_ROWS_KEY, EpochEnd, SamplerPadding, epoch_end, pull_batches, real_rows
 from .replicas import (
     AUTOCAST_DTYPES,
+    caller_autocast,
     is_data_parallel,
     replica_autocast,
     replica_precision,
@@ -95,6 +96,7 @@ __all__ = [
     "Terms",
     "UnsupportedHead",
     "batch_device",
+    "caller_autocast",
     "candidate_heads",
     "count_samples",
     "epoch_end",

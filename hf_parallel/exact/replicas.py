@@ -250,6 +250,15 @@ def replicating(wrapper: nn.DataParallel, step: ReplicaStep) -> Iterator[None]:
         yield
 
 
+def caller_autocast() -> torch.dtype | None:
+    """The dtype of the autocast the caller runs under (CUDA's, else the CPU's), where a replica can take it; None."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            return dtype if dtype in AUTOCAST_DTYPES.values() else None
+    return None
+
+
 def stock_replica_precision(model: nn.Module, mixed_precision: str | None):
     """
     For the stock loss under DataParallel: accelerate's `mixed_precision` in every replica (`replica_precision`); a

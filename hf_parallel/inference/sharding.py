@@ -74,6 +74,10 @@ class OrderedGather:
     rank is left waiting in a collective that the failed one would never join. With one process, `step` returns
     the block (or raises the error) as it is.
 
+    Not accelerate's `gather_for_metrics`: it carries no status, so a rank that failed would leave the others waiting
+    in the gather until the timeout; and it gathers whole results at the end, where this brings each step's blocks
+    to rank 0 to be written as they come.
+
     Args:
         num_rows (`int`): The dataset length.
         batch_size (`int`): Rows per batch per process.

@@ -120,6 +120,8 @@ def match_keys(source_keys: Iterable[str], model_keys: Iterable[str]) -> tuple[d
 
     A key that is already a model key maps to itself, so a model with a real submodule named `module` keeps working;
     otherwise a key maps to the model key that is equal to it once wrapper components are removed from both.
+    Not torch's `consume_prefix_in_state_dict_if_present` nor accelerate's key cleaning: they remove one leading
+    prefix, and a compiled or wrapped submodule puts `_orig_mod.` / `module.` in the middle of a key.
 
     Args:
         source_keys (`Iterable[str]`): the keys of the state dict.
