@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from typing import TYPE_CHECKING
 
 import safetensors.torch
@@ -79,12 +80,7 @@ class CleanCheckpointCallback(TrainerCallback):
         if not has_wrapper_prefixes(keys, inner) and not no_config:
             return
         # on_save runs right after the save of this step, before any other update: the live weights are the saved ones.
-        for path in checkpoint_weight_files(checkpoint, shards=True):
-            os.remove(path)
-        if isinstance(inner, PreTrainedModel):
-            inner.save_pretrained(checkpoint)
-        else:
-            safetensors.torch.save_model(inner, os.path.join(checkpoint, CHECKPOINT_WEIGHT_FILES[0]))
+        _rewrite_weights(checkpoint, inner)
         self.rewritten.append(checkpoint)
         logger.info(f"CleanCheckpointCallback: rewrote {checkpoint} from the unwrapped {type(inner).__name__}.")
 
@@ -101,6 +97,29 @@ class CleanCheckpointCallback(TrainerCallback):
                 f"{checkpoint} does not exist, so the weights could not be checked. Load them with "
                 "hf_parallel.load_state_dict(model, checkpoint), or use hf_parallel.Trainer."
             )
+
+
+def _rewrite_weights(checkpoint: str, inner: torch.nn.Module) -> None:
+    """
+    Replace the weights of `checkpoint` with `inner`'s, so that a kill at any moment leaves weights there: the new
+    files are written into a folder beside them, each moved over its old namesake (`os.replace`, atomic), and only
+    then are the old files that the new layout does not have removed.
+    """
+    old = set(checkpoint_weight_files(checkpoint, shards=True))
+    fresh = os.path.join(checkpoint, ".hf_parallel-rewrite")
+    shutil.rmtree(fresh, ignore_errors=True)
+    os.makedirs(fresh)
+    if isinstance(inner, PreTrainedModel):
+        inner.save_pretrained(fresh)
+    else:
+        safetensors.torch.save_model(inner, os.path.join(fresh, CHECKPOINT_WEIGHT_FILES[0]))
+    written = set()
+    for name in sorted(os.listdir(fresh), key=lambda n: n.endswith(".index.json")):  # an index after its shards
+        os.replace(os.path.join(fresh, name), os.path.join(checkpoint, name))
+        written.add(os.path.join(checkpoint, name))
+    os.rmdir(fresh)
+    for path in old - written:
+        os.remove(path)
 
 
 # ---- Per-device peak memory and the gpu0_bsz advisor (issue 4) ----

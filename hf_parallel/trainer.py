@@ -38,6 +38,8 @@ from .launch.guards import (
 from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
 from .saving.checkpoints import load_state_dict, plain_weights_checkpoint
+from .saving.resume import resolve_resume, seed_rank_without_state
+from .saving.staging import staged_checkpoint
 from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .upstream import temporarily
@@ -258,6 +260,9 @@ class TrainerMixin:
         ignore_keys_for_eval: list[str] | None = None,
     ):
         check_not_empty(self.train_dataset, "train_dataset")
+        # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
+        # global batch than the checkpoint's warned: before anything is loaded.
+        resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, self.accelerator.num_processes)
         if self.args.parallel_mode == ParallelMode.DISTRIBUTED and unmark_evaluation_prepare(
             self.model, self.model_wrapped, self.accelerator
         ):
@@ -272,6 +277,16 @@ class TrainerMixin:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        # Stock's save, into a staging folder renamed to checkpoint-N once every process has written it: a kill
+        # mid-save leaves the last complete checkpoint in place, and rotation runs only after the new one is complete.
+        staged_checkpoint(self, model, trial, super()._save_checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # A rank the checkpoint has no random state for (another number of processes wrote it) gets a defined one.
+        if not seed_rank_without_state(self.args, checkpoint, self.state.global_step):
+            super()._load_rng_state(checkpoint)
+
     def _sharded_state(self) -> bool:
         return self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled()
 

@@ -61,6 +61,8 @@ HOOKS = (
     Hook("_save", ("self", "output_dir", "state_dict"), "no wrapper prefixes in checkpoints"),
     Hook("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"), "resume across wrappers"),
     Hook("_load_best_model", ("self",), "best model across wrappers"),
+    Hook("_save_checkpoint", ("self", "model", "trial"), "crash-safe checkpoints: staged, then renamed whole"),
+    Hook("_load_rng_state", ("self", "checkpoint"), "a defined random state for a rank the checkpoint has none for"),
     Hook(
         "prediction_step",
         ("self", "model", "inputs", "prediction_loss_only", "ignore_keys", "gen_kwargs"),
@@ -76,6 +78,8 @@ CALLED = (
     ("get_sp_size", ("self",), "sequence parallelism shares batches across ranks: no exact loss"),
     ("compute_loss_context_manager", ("self",), "Seq2SeqTrainer's exact eval_loss next to generation"),
     ("_prepare_inputs", ("self", "inputs"), "Seq2SeqTrainer's exact eval_loss next to generation"),
+    ("_get_output_dir", ("self", "trial"), "a checkpoint's run folder: the staging folder while it is written"),
+    ("_push_from_checkpoint", ("self", "checkpoint_folder"), "a checkpoint goes to the Hub once it is complete"),
 )
 # Hooks of newer releases that hf_parallel leaves to stock, with the release that added them and why stock's is right.
 NOT_OVERRIDDEN = (

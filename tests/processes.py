@@ -77,3 +77,39 @@ def run_together(
     if why is not None:
         raise AssertionError(_report(results, why))
     return results, time.perf_counter() - start
+
+
+def run_until_failure(
+    command: list[str], cwd: Path, env: dict[str, str], mark: str, deadline_s: float = DEADLINE_S
+) -> tuple[Finished, float]:
+    """
+    Run `command`, which is expected to fail once `mark` appears in its output (a rank that kills itself says so
+    first); return its result and the seconds from the mark's appearance to its exit. It must exit non-zero, after
+    the mark, within `deadline_s`: anything else raises `AssertionError` with its output (it is killed at the deadline,
+    with its whole session).
+    """
+    start = time.perf_counter()
+    marked = None
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "out.log"
+        with open(log_path, "w+") as log:
+            proc = subprocess.Popen(
+                command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                while proc.poll() is None and time.perf_counter() - start < deadline_s:
+                    if marked is None and mark in log_path.read_text(errors="replace"):
+                        marked = time.perf_counter()
+                    time.sleep(0.2)
+            finally:
+                code = proc.poll()
+                _stop([proc])
+            ended = time.perf_counter()
+            log.seek(0)
+            result = Finished(command, code, log.read())
+    if marked is None and mark in result.output:
+        marked = ended  # it appeared in the last interval
+    if code is None or code == 0 or marked is None:
+        why = f"expected to exit non-zero after {mark!r} within {deadline_s:g} s"
+        raise AssertionError(_report([result], why))
+    return result, ended - marked
