@@ -3,7 +3,7 @@ A run that a crash interrupts: killed (SIGKILL, as a scheduler's pre-emption or 
 checkpoint save, or one rank killed in the middle of training; then relaunched with `--resume`.
 
     PYTHONPATH=. python -m tests.distributed.crash_worker OUT_DIR [--stock] [--per-device B] [--accumulation G]
-        [--kill-in-save STEP] [--kill-at-step STEP] [--kill-rank R] [--resume]
+        [--kill-in-save STEP] [--kill-at-step STEP] [--kill-rank R] [--resume] [--max-steps N]
 
 One process, `torchrun` (the ranks come from the launcher's environment) or `spawn_cpu_ranks` (`run` called in each
 rank). A tiny BERT classifier, 16 rows, global batch 8 unless told otherwise, 6 plain SGD steps (three
@@ -90,9 +90,10 @@ def run(
     kill_in_save: int | None = None,
     kill_at_step: int | None = None,
     kill_rank: int = 0,
+    max_steps: int = MAX_STEPS,
 ) -> dict:
     """Train (from `resume`); the final parameters, also written to OUT_DIR/final.pt by rank 0."""
-    trainer = make_trainer(out_dir, stock, per_device, accumulation)
+    trainer = make_trainer(out_dir, stock, per_device, accumulation, max_steps=max_steps)
     trainer.kill_in_save = kill_in_save
     if kill_at_step is not None:
         trainer.add_callback(_KillAtStep(kill_at_step, kill_rank))
@@ -113,6 +114,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
     options = parser.parse_args(argv)
     torch.set_num_threads(1)  # two ranks on two cores
     run(
@@ -124,6 +126,7 @@ def main(argv: list[str]) -> None:
         options.kill_in_save,
         options.kill_at_step,
         options.kill_rank,
+        options.max_steps,
     )
 
 

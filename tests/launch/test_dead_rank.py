@@ -1,14 +1,17 @@
 """
-A rank that dies mid-run (SIGKILL: the OOM killer, a pre-empted node) under `torchrun`: every other rank and the
-launcher end within 60 s, non-zero, and the launcher's report names the rank that died. Relaunching the same command
-with `resume_from_checkpoint=True` then ends with the uninterrupted run's parameters.
+Launches that crash, and launches of several machines. A rank that dies mid-run (SIGKILL: the OOM killer, a pre-empted
+node) under `torchrun`: every other rank and the launcher end within 60 s, non-zero, and the launcher's report names
+the rank that died; relaunching the same command with `resume_from_checkpoint=True` ends with the uninterrupted run's
+parameters. Two "machines" of 2 processes each on loopback share one output folder: one complete checkpoint, which
+resumes exactly in one process.
 
-Two CPU ranks (gloo), `tests/distributed/crash_worker.py`: 2 ranks x 4 rows, a checkpoint every 2 steps, rank 1 killed
-as step 5 begins (checkpoint-4 is complete); the reference is one process x 8 rows, uninterrupted.
+`tests/distributed/crash_worker.py` on CPU ranks (gloo): 2 ranks x 4 rows, a checkpoint every 2 steps, rank 1 killed
+as step 5 begins (checkpoint-4 is complete). The reference is one process x 8 rows, uninterrupted.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
@@ -16,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from hf_parallel.saving.resume import checkpoint_problems
+from hf_parallel.saving.staging import RUN_FILE, STAGING_DIR
 from tests.distributed.crash_worker import run
 from tests.paths import NO_GPUS, ROOT, repo_env
 from tests.processes import run_together, run_until_failure
@@ -61,3 +66,28 @@ def test_a_dead_rank_ends_the_job_and_a_relaunch_resumes_exactly(tmp_path):
     relaunched = torch.load(out / "final.pt", weights_only=True)
     reference = run(str(tmp_path / "uninterrupted"))
     assert max((relaunched[n] - reference[n]).abs().max().item() for n in reference) < 1e-6
+
+
+@pytest.mark.slow
+def test_two_machines_on_one_host_write_one_complete_checkpoint_that_resumes_exactly(tmp_path):
+    out = tmp_path / "run"
+    port = str(_free_port())
+    commands = [
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+            "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port,
+            "-m", "tests.distributed.crash_worker", str(out), "--per-device", "2", "--max-steps", "4",
+        ]
+        for node in (0, 1)
+    ]  # fmt: skip
+    run_together(commands, ROOT, _env(), deadline_s=300)
+    checkpoint = out / "checkpoint-4"
+    # Every rank's random state, and one copy of everything else, renamed into place whole; nothing left staged.
+    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == [f"rng_state_{r}.pth" for r in range(4)]
+    assert json.loads((checkpoint / RUN_FILE).read_text())["num_processes"] == 4
+    assert checkpoint_problems(str(checkpoint)) == [] and not (out / STAGING_DIR).exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    # 4 ranks x 2 rows resumed as 1 process x 8 rows: the uninterrupted run's parameters.
+    resumed = run(str(out), resume=True)
+    reference = run(str(tmp_path / "uninterrupted"))
+    assert max((resumed[n] - reference[n]).abs().max().item() for n in reference) < 1e-6

@@ -17,6 +17,7 @@ import random
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -232,3 +233,19 @@ def test_resume_on_another_number_of_processes_continues_the_run_exactly(topolog
         resumed = run(str(out / "two ranks"), per_device=4, accumulation=2, resume=True)
     assert _max_diff(resumed, reference) < 1e-6
     assert "holds no random state for process 0" in log.text
+
+
+def test_save_on_each_node_on_a_shared_folder_is_warned(tmp_path):
+    def node(process_index: int) -> SimpleNamespace:
+        return SimpleNamespace(save_on_each_node=True, should_save=True, world_size=4, process_index=process_index)
+
+    with record_hf_parallel_log() as log:
+        alone = staging_module._mark_node(str(tmp_path / "local"), node(0))
+        staging_module._warn_if_shared(str(tmp_path / "local"), node(0), alone)
+    assert "save_on_each_node" not in log.text  # a folder only this node sees
+    marks = [staging_module._mark_node(str(tmp_path / "shared"), node(rank)) for rank in (0, 2)]  # two nodes' mains
+    with record_hf_parallel_log() as log:
+        staging_module._warn_if_shared(str(tmp_path / "shared"), node(0), marks[0])
+    assert "is shared by 2 nodes" in log.text and "save_on_each_node=False" in log.text
+    without = SimpleNamespace(save_on_each_node=False, should_save=True, world_size=4, process_index=0)
+    assert staging_module._mark_node(str(tmp_path / "default"), without) is None  # one writer: no marks
