@@ -8,10 +8,13 @@ the whole set. Under gradient accumulation the cross-entropy is exact and the ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import MixtralConfig, MixtralForSequenceClassification
 from transformers.data.data_collator import default_data_collator
+from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 import hf_parallel
 from hf_parallel import ExactLoop
@@ -113,9 +116,28 @@ def _rows(batch: dict) -> list[dict]:
     return [{key: value[i] for key, value in batch.items()} for i in range(len(batch["input_ids"]))]
 
 
+def _hooks_installed_first(build):
+    """
+    The model with transformers' output-capturing hooks installed, as a first forward on one device installs them.
+
+    Without it, stock's DataParallel races: each replica's first forward installs the hooks again into the hook dicts
+    the replicas share with the model (replication copies `__dict__` shallowly), so a replica that runs while another
+    installs records its router logits once or twice, and torch's gather fails now and then on tuples of different
+    lengths ("zip() argument 2 is longer than argument 1"). hf_parallel installs them once before replicating.
+    """
+
+    def hooked(seed: int):
+        model = build(seed)
+        maybe_install_capturing_hooks(model)
+        return model
+
+    return hooked
+
+
 def test_control_stock_data_parallel_takes_each_replicas_router_term():
     """Stock's torch DataParallel averages the replicas' losses, each with the router term of its own rows."""
-    stock = run_case(CASES["mixtral_moe"], DP2, stock=True, eval_rows=0)
+    case = dataclasses.replace(CASES["mixtral_moe"], build=_hooks_installed_first(CASES["mixtral_moe"].build))
+    stock = run_case(case, DP2, stock=True, eval_rows=0)
     assert abs(stock.loss - single("mixtral_moe").loss) > 0.5
     assert max_relative_diff(stock.grads, single("mixtral_moe").grads) > 0.1
 
