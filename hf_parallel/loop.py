@@ -42,13 +42,12 @@ from .exact import (
     REAL_ROWS_KEY,
     EpochEnd,
     ExactLoss,
+    LoopPadding,
     LossHead,
     RunContext,
-    SamplerPadding,
     StepCounts,
     batch_device,
     caller_autocast,
-    count_samples,
     epoch_end,
     micro_batch_loss,
     replica_autocast,
@@ -193,7 +192,7 @@ class ExactLoop:
                         stock.append(_stock_loss(model(**batch)).detach().float())  # the fallback: mean of means
                         continue
                     end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
-                    batch = self._mark_padding(head, [dict(batch)], end, padding)[0]
+                    batch = padding.mark(head, [dict(batch)], end)[0]
                     micro_batch_loss(self.exact, model, head, batch, None, self._context())
         finally:
             exact = self.exact.finish_evaluation()
@@ -206,25 +205,8 @@ class ExactLoop:
         return float(self.exact.reduce_sum(mean) / self.num_processes if self.num_processes > 1 else mean)
 
     # ---- Shared ----
-    def _padding(self, dataloader, name: str) -> SamplerPadding:
-        """Where `dataloader`'s padding samples will be told: a DistributedSampler's, or (accelerate) the samples of an
-        iterable dataset each rank reads itself, counted (`hf_parallel.exact.streams`; warned where they cannot be)."""
-        if self.accelerator is not None:
-            cannot = count_samples(dataloader, name)
-            if cannot is not None:
-                self.exact.warn_once(cannot)
-        return SamplerPadding(dataloader, self.process_index, self.num_processes)
-
-    def _mark_padding(self, head: LossHead, batches: list[dict], end: EpochEnd | None, padding) -> list[dict]:
-        if self.accelerator is not None:
-            # accelerate fills the last global batch with rows from the epoch's start (even_batches), unless the
-            # dataloader drops it.
-            loader = self.accelerator.gradient_state.active_dataloader
-            pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
-            self.exact.mark_padding(head, batches, end, self.process_index, pads)
-        else:
-            padding.mark(head, batches)
-        return batches
+    def _padding(self, dataloader, name: str) -> LoopPadding:
+        return LoopPadding(self.exact, dataloader, name, self.accelerator, self.process_index, self.num_processes)
 
     def _context(self) -> RunContext:
         """
@@ -300,7 +282,7 @@ class LoopStep:
 
     def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
         loop = self.loop
-        self.batches = loop._mark_padding(head, [dict(batch) for batch in self.batches], self._end, self._padding)
+        self.batches = self._padding.mark(head, [dict(batch) for batch in self.batches], self._end)
         device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
         return loop.exact.count_step(head, self.batches, device, main_input_name)

@@ -60,7 +60,7 @@ from .heads import (
     token_losses,
 )
 from .heads.contrastive import rows_of
-from .remainder import REAL_ROWS_KEY, EpochEnd, SamplerPadding, epoch_end, pull_batches, real_rows
+from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, pull_batches, real_rows
 from .replicas import (
     AUTOCAST_DTYPES,
     caller_autocast,
@@ -82,6 +82,7 @@ __all__ = [
     "EpochEnd",
     "EvalTotals",
     "ExactLoss",
+    "LoopPadding",
     "LossHead",
     "ModelLossCheck",
     "MultiLabelHead",

@@ -30,12 +30,13 @@ from torch.utils.data import DistributedSampler
 
 from .heads import IGNORE_INDEX, REAL_ROWS_KEY
 from .heads.contrastive import rows_of
-from .streams import stream_remainder
+from .streams import count_samples, stream_remainder
 
 __all__ = [
     "REAL_ROWS_KEY",
     "TARGET_KEYS",
     "EpochEnd",
+    "LoopPadding",
     "SamplerPadding",
     "epoch_end",
     "first_rows",
@@ -220,3 +221,31 @@ class SamplerPadding:
             self.seen += rows
             if real < rows:
                 batch[REAL_ROWS_KEY] = real
+
+
+class LoopPadding:
+    """
+    The samples a hand-written loop's dataloader repeats, marked as padding (`REAL_ROWS_KEY`) as its batches come:
+    accelerate's, which fills the last global batch with rows from the epoch's start (`even_batches`) unless the
+    dataloader drops it, in a dataloader accelerate prepared; a `DistributedSampler`'s otherwise (`SamplerPadding`).
+    Under accelerate the samples of an iterable dataset each rank reads itself are counted first
+    (`hf_parallel.exact.streams`; warned where they cannot be).
+    """
+
+    def __init__(self, exact, dataloader, name: str, accelerator, process_index: int, num_processes: int):
+        self.exact, self.accelerator, self.process_index = exact, accelerator, process_index
+        if accelerator is not None:
+            cannot = count_samples(dataloader, name)
+            if cannot is not None:
+                exact.warn_once(cannot)
+        self.sampler = SamplerPadding(dataloader, process_index, num_processes)
+
+    def mark(self, head, batches: list[dict], end: EpochEnd | None) -> list[dict]:
+        """Mark the padding rows of `batches` (in place, the step's own dicts) and return them."""
+        if self.accelerator is not None:
+            loader = self.accelerator.gradient_state.active_dataloader
+            pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
+            self.exact.mark_padding(head, batches, end, self.process_index, pads)
+        else:
+            self.sampler.mark(head, batches)
+        return batches
