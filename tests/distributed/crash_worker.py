@@ -3,7 +3,7 @@ A run that a crash interrupts: killed (SIGKILL, as a scheduler's pre-emption or 
 checkpoint save, or one rank killed in the middle of training; then relaunched with `--resume`.
 
     PYTHONPATH=. python -m tests.distributed.crash_worker OUT_DIR [--stock] [--per-device B] [--accumulation G]
-        [--kill-in-save STEP] [--kill-at-step STEP] [--kill-rank R] [--resume] [--max-steps N]
+        [--kill-in-save STEP] [--kill-at-step STEP] [--kill-rank R] [--resume] [--max-steps N] [--fsdp]
 
 One process, `torchrun` (the ranks come from the launcher's environment) or `spawn_cpu_ranks` (`run` called in each
 rank). A tiny BERT classifier, 16 rows, global batch 8 unless told otherwise, 6 plain SGD steps (three
@@ -30,6 +30,8 @@ CASE = "bert_single_label"
 ROWS = 16
 MAX_STEPS = 6
 SAVE_STEPS = 2
+FSDP_CASE = "llama_causal_lm"
+FSDP_CONFIG = {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}
 
 
 class _KillInSave:
@@ -62,9 +64,11 @@ class _KillAtStep(transformers.TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def make_trainer(out_dir: str, stock: bool = False, per_device: int = 8, accumulation: int = 1, **overrides):
+def make_trainer(
+    out_dir: str, stock: bool = False, per_device: int = 8, accumulation: int = 1, case: str = CASE, **overrides
+):
     """The run's trainer (also the in-process reference's)."""
-    case = CASES[CASE]
+    case = CASES[case]
     trainer_cls = CrashingStockTrainer if stock else CrashingTrainer
     arguments = {**SGD_STEP, "max_steps": MAX_STEPS, "save_strategy": "steps", "save_steps": SAVE_STEPS}
     arguments.update(
@@ -91,14 +95,24 @@ def run(
     kill_at_step: int | None = None,
     kill_rank: int = 0,
     max_steps: int = MAX_STEPS,
+    fsdp: bool = False,
 ) -> dict:
-    """Train (from `resume`); the final parameters, also written to OUT_DIR/final.pt by rank 0."""
-    trainer = make_trainer(out_dir, stock, per_device, accumulation, max_steps=max_steps)
+    """
+    Train (from `resume`); the final parameters, also written to OUT_DIR/final.pt by rank 0. `fsdp`: FSDP2 on this
+    process's GPU with sharded checkpoints (`SHARDED_STATE_DICT`: each rank writes its own shard files).
+    """
+    # FSDP2 trains a Llama: accelerate shards a model's input embeddings on their own after its `_no_split_modules`,
+    # which for BERT include the embeddings module (sharded twice, torch's fully_shard fails).
+    options = dict(case=FSDP_CASE, use_cpu=False, fsdp=True, fsdp_config=FSDP_CONFIG) if fsdp else {}
+    trainer = make_trainer(out_dir, stock, per_device, accumulation, max_steps=max_steps, **options)
     trainer.kill_in_save = kill_in_save
     if kill_at_step is not None:
         trainer.add_callback(_KillAtStep(kill_at_step, kill_rank))
     trainer.train(resume_from_checkpoint=resume)
-    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    # Under FSDP2 a parameter is a DTensor: its full value, on the CPU.
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in full.items()}
     if trainer.args.process_index == 0:
         torch.save(params, os.path.join(out_dir, "final.pt"))
     return params
@@ -115,6 +129,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
+    parser.add_argument("--fsdp", action="store_true")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)  # two ranks on two cores
     run(
@@ -127,6 +142,7 @@ def main(argv: list[str]) -> None:
         options.kill_at_step,
         options.kill_rank,
         options.max_steps,
+        options.fsdp,
     )
 
 

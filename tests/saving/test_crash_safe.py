@@ -249,3 +249,29 @@ def test_save_on_each_node_on_a_shared_folder_is_warned(tmp_path):
     assert "is shared by 2 nodes" in log.text and "save_on_each_node=False" in log.text
     without = SimpleNamespace(save_on_each_node=False, should_save=True, world_size=4, process_index=0)
     assert staging_module._mark_node(str(tmp_path / "default"), without) is None  # one writer: no marks
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_fsdp2_sharded_checkpoints_survive_a_kill_mid_save(tmp_path):
+    """On a GPU (accelerate runs no FSDP on CPU): FSDP2 with sharded checkpoints, one process under torchrun."""
+
+    def torchrun(out, *flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29561"]
+        command += ["-m", "tests.distributed.crash_worker", str(out), "--fsdp", *flags]
+        return subprocess.run(command, cwd=ROOT, env=repo_env(), capture_output=True, text=True, timeout=300)
+
+    reference = tmp_path / "uninterrupted"
+    done = torchrun(reference)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "run"
+    killed = torchrun(out, "--kill-in-save", "4")
+    assert killed.returncode != 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert any(p.name.startswith("pytorch_model_fsdp") for p in (out / "checkpoint-2").iterdir())  # sharded
+    assert checkpoint_problems(str(out / "checkpoint-2")) == [] and (out / STAGING_DIR / "checkpoint-4").is_dir()
+    resumed = torchrun(out, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr + resumed.stdout
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert _max_diff(final, torch.load(reference / "final.pt", weights_only=True)) < 1e-6
