@@ -25,14 +25,7 @@ The head families: how each kind of model head turns its outputs and labels into
 A new family is one new module here and one entry in `HEAD_FAMILIES`. `hf_parallel.exact.resolve_head` reads the
 registry; the machinery of `hf_parallel.exact` never names a family's classes.
 
-```python
-from hf_parallel.exact import CrossEntropyHead
-
-head = CrossEntropyHead(shift=True, name="causal_lm")
-labels = head.pop_labels(batch)  # batch no longer holds "labels"
-sums, counts = head.row_terms(model(**batch), labels)
-loss = head.combine(sums.sum(0), counts.sum(0))  # what the model's own loss gives on this batch
-```
+How a head is used on one batch: the example in `tokens`' docstring.
 """
 
 from .base import (
