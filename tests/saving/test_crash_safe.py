@@ -38,20 +38,26 @@ from tests.paths import NO_GPUS, ROOT, repo_env
 KILLED = -9  # the child's return code after SIGKILL
 
 
-def _worker(out_dir, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "tests.distributed.crash_worker", str(out_dir), *flags]
-    return subprocess.run(command, cwd=ROOT, env=repo_env(**NO_GPUS), capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> dict:
-    """One process each, hf_parallel's Trainer and stock's, killed while writing checkpoint-4."""
-    runs = {}
+    """One process each, hf_parallel's Trainer and stock's (side by side), killed while writing checkpoint-4."""
+    logs = tmp_path_factory.mktemp("killed_logs")
+    runs, procs = {}, {}
     for name, flags in (("exact", []), ("stock", ["--stock"])):
-        out = tmp_path_factory.mktemp(f"killed_{name}")
-        done = _worker(out, "--kill-in-save", "4", *flags)
-        assert done.returncode == KILLED, (name, done.returncode, done.stdout[-3000:], done.stderr[-3000:])
-        runs[name] = out
+        runs[name] = tmp_path_factory.mktemp(f"killed_{name}")
+        command = [sys.executable, "-m", "tests.distributed.crash_worker", str(runs[name]), "--kill-in-save", "4"]
+        with open(logs / f"{name}.log", "w") as log:  # a file, not a pipe: a full pipe would block the worker
+            procs[name] = subprocess.Popen(
+                [*command, *flags], cwd=ROOT, env=repo_env(**NO_GPUS), stdout=log, stderr=log
+            )
+    for name, proc in procs.items():
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            proc.kill()
+        assert code == KILLED, (name, code, (logs / f"{name}.log").read_text()[-6000:])
     return runs
 
 
