@@ -27,13 +27,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from .checkpoints import checkpoint_weight_files
-from .staging import RUN_FILE, STAGING_DIR, run_record
+from .staging import RUN_FILE, STAGING_DIR, TRAINER_STATE, run_record
 
 __all__ = ["checkpoint_problems", "complete_checkpoints", "rank_seed", "resolve_resume", "seed_rank_without_state"]
 
 logger = logging.get_logger(__name__)
 
-TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # Model weights a checkpoint may hold besides the save_pretrained files: PEFT adapters, FSDP's state dicts, DeepSpeed's
 # engine state (its `latest` tag file).
@@ -77,7 +76,10 @@ def complete_checkpoints(output_dir: str) -> tuple[list[str], list[tuple[str, li
     complete, torn = [], []
     for _, path in sorted(found, reverse=True):
         problems = checkpoint_problems(path)
-        (torn.append((path, problems)) if problems else complete.append(path))
+        if problems:
+            torn.append((path, problems))
+        else:
+            complete.append(path)
     return complete, torn
 
 

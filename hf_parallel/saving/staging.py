@@ -27,12 +27,15 @@ from transformers.utils import logging
 
 from ..upstream import temporarily
 
-__all__ = ["RUN_FILE", "STAGING_DIR", "run_record", "staged_checkpoint"]
+__all__ = ["RUN_FILE", "STAGING_DIR", "TRAINER_STATE", "run_record", "staged_checkpoint"]
 
 logger = logging.get_logger(__name__)
 
 #: The folder (inside the run's output folder) where a checkpoint is written before it is complete.
 STAGING_DIR = ".hf_parallel-staging"
+#: What stock writes last into a checkpoint (transformers' `TRAINER_STATE_NAME`, named here without importing
+#: `transformers.trainer`).
+TRAINER_STATE = "trainer_state.json"
 #: The topology that wrote a checkpoint, inside it.
 RUN_FILE = "hf_parallel_run.json"
 
@@ -172,8 +175,9 @@ def _point_best_checkpoint(trainer, run_dir: str, staged: str) -> None:
     if not best:
         return
     path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
-    if best == state.global_step or os.path.isdir(path):
-        state.best_model_checkpoint = path
-    state_file = os.path.join(staged, "trainer_state.json")
+    if state.best_model_checkpoint == path or not (best == state.global_step or os.path.isdir(path)):
+        return  # what stock wrote is right already
+    state.best_model_checkpoint = path
+    state_file = os.path.join(staged, TRAINER_STATE)
     if os.path.isfile(state_file):
         state.save_to_json(state_file)

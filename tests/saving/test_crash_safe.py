@@ -281,3 +281,9 @@ def test_fsdp2_sharded_checkpoints_survive_a_kill_mid_save(tmp_path):
     assert "resuming from" in resumed.stderr + resumed.stdout
     final = torch.load(out / "final.pt", weights_only=True)
     assert _max_diff(final, torch.load(reference / "final.pt", weights_only=True)) < 1e-6
+
+
+def test_the_state_file_is_the_one_transformers_writes():
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    assert staging_module.TRAINER_STATE == TRAINER_STATE_NAME
