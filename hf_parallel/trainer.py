@@ -14,6 +14,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
+from .engines.deepspeed import scalar_parameter_problem
 from .exact import (
     ExactLoss,
     LossHead,
@@ -207,6 +208,7 @@ class TrainerMixin:
         dataset_name = evaluation_dataset_name(description, metric_key_prefix)
         # getattr, as stock: a dataloader need not have a `.dataset` (transformers supports one without it).
         check_not_empty(getattr(dataloader, "dataset", None), dataset_name)
+        self._check_engine()
         self._count_samples(dataloader, dataset_name)
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
@@ -260,6 +262,7 @@ class TrainerMixin:
         ignore_keys_for_eval: list[str] | None = None,
     ):
         check_not_empty(self.train_dataset, "train_dataset")
+        self._check_engine()
         # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
         # global batch than the checkpoint's warned: before anything is loaded.
         resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, self.accelerator.num_processes)
@@ -275,6 +278,12 @@ class TrainerMixin:
             if split is not None:
                 self.exact.warn_once(f"exact_loss: {split}")
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _check_engine(self) -> None:
+        """Refuse, naming the cause and the fix, a model the engine accelerate is about to start would crash on."""
+        problem = scalar_parameter_problem(self.model) if self.is_deepspeed_enabled else None
+        if problem is not None:
+            raise ValueError(problem)
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
     def _save_checkpoint(self, model: nn.Module, trial) -> None:

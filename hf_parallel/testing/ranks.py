@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 from ..launch.validation import check_whole_number
+from .accelerator import cpu_as_accelerator as _cpu_as_accelerator
 
 __all__ = ["spawn_cpu_ranks"]
 
 
-def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, store_path: str) -> None:
+def _rank_entry(
+    rank: int, function: Callable, args: tuple, world_size: int, store_path: str, cpu_as_accelerator: bool
+) -> None:
     os.environ.update(
         WORLD_SIZE=str(world_size),
         RANK=str(rank),
@@ -38,7 +41,8 @@ def _rank_entry(rank: int, function: Callable, args: tuple, world_size: int, sto
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
-    function(*args)
+    with _cpu_as_accelerator() if cpu_as_accelerator else contextlib.nullcontext():
+        function(*args)
     _part_together(store, world_size)
     # Leave without the interpreter's teardown: every DDP object is released above, so nothing of gloo is left for
     # it but the destructors of module globals, which can abort at exit ("terminate called without an active
@@ -83,7 +87,13 @@ def _rank_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2, timeout: float = 300.0) -> None:
+def spawn_cpu_ranks(
+    function: Callable,
+    args: tuple = (),
+    num_processes: int = 2,
+    timeout: float = 300.0,
+    cpu_as_accelerator: bool = False,
+) -> None:
     """
     Run `function(*args)` in `num_processes` fresh CPU processes that form one gloo process group, as a DDP launch
     would; `TrainingArguments(use_cpu=True)` or `PartialState()` inside then see a distributed run.
@@ -110,6 +120,10 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
         timeout (`float`, *optional*, defaults to `300.0`):
             Seconds before the ranks print their stacks, are killed and `TimeoutError` is raised, so that a rank
             stuck in a collective fails the caller instead of blocking it.
+        cpu_as_accelerator (`bool`, *optional*, defaults to `False`):
+            Run `function` inside `hf_parallel.testing.cpu_as_accelerator()`: accelerate takes the CPU for an
+            accelerator with gloo, so that the Trainer's DeepSpeed path runs on these ranks. `TrainingArguments` inside
+            must then keep `use_cpu=False`.
 
     ```python
     import tempfile
@@ -124,7 +138,7 @@ def spawn_cpu_ranks(function: Callable, args: tuple = (), num_processes: int = 2
     with tempfile.TemporaryDirectory() as tmp, _rank_environment():
         context = torch.multiprocessing.start_processes(
             _rank_entry,
-            args=(function, args, num_processes, os.path.join(tmp, "store")),
+            args=(function, args, num_processes, os.path.join(tmp, "store"), cpu_as_accelerator),
             nprocs=num_processes,
             start_method="spawn",
             join=False,

@@ -140,6 +140,13 @@ def _contrastive(name: str, model, labels, smoothing: float) -> LossHead:
             "logit_scale, SigLIP's logit_scale and logit_bias, ALIGN's temperature and CLAP's two scales), so "
             "each device keeps its own rows as negatives."
         )
+    partitioned = [n for n in variant.parameters if hasattr(getattr(model, n), "ds_id")]
+    if partitioned:
+        raise UnsupportedHead(
+            f"DeepSpeed ZeRO-3 partitions {name}'s scale parameters ({', '.join(partitioned)}), which the loss over "
+            "the step's embeddings reads outside the model's forward; train it under ZeRO-1 or 2 (or DDP) for the "
+            "exact contrastive loss."
+        )
     return ContrastiveHead(variant)
 
 
