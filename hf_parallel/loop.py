@@ -1,5 +1,6 @@
 """
-`ExactLoop`: the exact loss in a hand-written training loop (accelerate, `torchrun` + DDP, `nn.DataParallel`).
+`ExactLoop`: the exact loss in a hand-written training loop (accelerate, `torchrun` + DDP, a DeepSpeed engine,
+`nn.DataParallel`).
 
 The canonical loop, `loss = model(**batch).loss` with `accelerator.accumulate` dividing by the accumulation steps,
 averages per-device, per-micro-batch means: under DDP the ranks' means are averaged, under gradient accumulation the
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from accelerate.utils import send_to_device
 from torch import nn
 
+from .engines.deepspeed import check_loop_engine, mark_boundary
 from .exact import (
     REAL_ROWS_KEY,
     EpochEnd,
@@ -77,6 +79,10 @@ class ExactLoop:
             The batch keys of the labels; the model's head's own when `None` (`labels`; QA: start/end positions).
         label_smoothing (`float`, *optional*, defaults to 0):
             Label smoothing epsilon, as `TrainingArguments.label_smoothing_factor`.
+        engine (`deepspeed.DeepSpeedEngine`, *optional*):
+            Instead of an accelerator: the engine `deepspeed.initialize` returned. Its data-parallel group counts the
+            step, its gradient accumulation steps are the step's micro-batches, and each step's last micro-batch is
+            marked as its accumulation boundary (so `engine.step()` steps there, at an epoch's shorter last step too).
         process_group (`ProcessGroup`, *optional*):
             Without an accelerator: the DDP group (the default group when `torch.distributed` is initialised).
 
@@ -90,8 +96,15 @@ class ExactLoop:
     ```
     """
 
-    def __init__(self, accelerator=None, *, label_names=None, label_smoothing: float = 0.0, process_group=None):
-        self.accelerator = accelerator
+    def __init__(
+        self, accelerator=None, *, engine=None, label_names=None, label_smoothing: float = 0.0, process_group=None
+    ):
+        if engine is not None:
+            if accelerator is not None or process_group is not None:
+                raise ValueError("ExactLoop: pass an engine alone; it brings its own data-parallel group.")
+            check_loop_engine(engine)
+            process_group = engine.data_parallel_group
+        self.accelerator, self.engine = accelerator, engine
         self.group = process_group
         if accelerator is not None:
             processes = accelerator.num_processes if accelerator.distributed_type.value != "NO" else 1
@@ -123,7 +136,10 @@ class ExactLoop:
 
     @property
     def backward_divides_by(self) -> int:
-        """What `accelerator.backward` divides a loss by (its accumulation steps); 1 without an accelerator."""
+        """What the backward divides a loss by: the accelerator's or the DeepSpeed engine's accumulation steps (its
+        `engine.backward`, and its hooks under a plain `loss.backward()`); 1 otherwise."""
+        if self.engine is not None:
+            return self.engine.gradient_accumulation_steps()
         return self.accelerator.gradient_accumulation_steps if self.accelerator is not None else 1
 
     # ---- Training ----
@@ -143,13 +159,19 @@ class ExactLoop:
         """
         accumulation = accumulation_steps if accumulation_steps is not None else self.backward_divides_by
         check_whole_number("accumulation_steps", accumulation, 1)
-        if self.accelerator is not None and accumulation != self.backward_divides_by:
+        if (self.accelerator is not None or self.engine is not None) and accumulation != self.backward_divides_by:
             # accelerator.accumulate steps the optimizer by its own count of micro-batches: with another count here
-            # it would step in the middle of a LoopStep (every micro-batch, at gradient_accumulation_steps=1).
+            # it would step in the middle of a LoopStep (every micro-batch, at gradient_accumulation_steps=1). A
+            # DeepSpeed engine divides each loss by its own count.
+            owner, setting = (
+                ("DeepSpeed config's", '"gradient_accumulation_steps"')
+                if self.engine is not None
+                else ("accelerator's", "Accelerator(gradient_accumulation_steps=...)")
+            )
             raise ValueError(
-                f"ExactLoop.steps: accumulation_steps={accumulation} differs from the accelerator's "
-                f"gradient_accumulation_steps={self.backward_divides_by}; set Accelerator(gradient_accumulation_steps="
-                f"{accumulation}) and leave accumulation_steps out."
+                f"ExactLoop.steps: accumulation_steps={accumulation} differs from the {owner} "
+                f"gradient_accumulation_steps={self.backward_divides_by}; set {setting} to {accumulation} and leave "
+                "accumulation_steps out."
             )
         # Checked here, at the call, not at the first step: the steps themselves are a generator.
         return self._steps(dataloader, accumulation, device)
@@ -237,10 +259,12 @@ class LoopStep:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[dict]:
-        accelerator = self.loop.accelerator
+        accelerator, engine = self.loop.accelerator, self.loop.engine
         for index, batch in enumerate(self.batches):
             if accelerator is not None:
                 self._sync_at(index)
+            if engine is not None:
+                mark_boundary(engine, index == len(self.batches) - 1)
             yield batch
 
     def _sync_at(self, index: int) -> None:
@@ -259,9 +283,9 @@ class LoopStep:
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """
         The loss of micro-batch `batch` of this step, to back-propagate: S_m / C of the whole step (times the DDP
-        world size, which DDP's averaging divides again, and the accelerator's accumulation steps, which
-        `accelerator.backward` divides again). `model` is the model as the loop calls it: bare, in DDP, in
-        `nn.DataParallel` / `BalancedDataParallel`, or prepared by accelerate.
+        world size, which DDP's and DeepSpeed's averaging divide again, and the accumulation steps, which
+        `accelerator.backward` or the DeepSpeed engine divides again). `model` is the model as the loop calls it:
+        bare, in DDP, in `nn.DataParallel` / `BalancedDataParallel`, prepared by accelerate, or a DeepSpeed engine.
         """
         index = self._index_of(batch)
         loop, exact = self.loop, self.loop.exact

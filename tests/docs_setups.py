@@ -7,6 +7,7 @@ undo, and the page's working folder.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -56,6 +57,42 @@ def ddp_loop(stack: contextlib.ExitStack, workdir: Path) -> dict:
     return dict(ddp_model=ddp_model, train_dataloader=loader, optimizer=optimizer, device=torch.device("cpu"))
 
 
+@contextlib.contextmanager
+def _environment(**values: str):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def deepspeed_loop(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """A tiny Llama in a DeepSpeed ZeRO-2 engine (GA 2) over a one-process gloo group, and its dataloader."""
+    import pytest
+
+    deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
+    if not dist.is_initialized():  # the page's torchrun block may have made it
+        ddp_loop(stack, workdir)
+    # DeepSpeed reads the launcher's variables even when the process group exists.
+    stack.enter_context(_environment(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"))
+    model = CASES["llama_causal_lm"].build(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    loader = torch.utils.data.DataLoader(ListDataset(lm_rows(8, 1)), batch_size=2)
+    return dict(engine=engine, train_dataloader=loader)
+
+
 def masked_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
     """examples/embed.py's tiny masked LM and character tokenizer, and 6 tokenized DNA reads."""
     from examples import embed
@@ -67,4 +104,4 @@ def masked_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
     return dict(model=embed.tiny_masked_lm(tokenizer, max_length=40, seed=0), tokenizer=tokenizer, tokenized_rows=rows)
 
 
-SETUPS = {setup.__name__: setup for setup in (classifier, causal_lm, seq2seq, ddp_loop, masked_lm)}
+SETUPS = {setup.__name__: setup for setup in (classifier, causal_lm, seq2seq, ddp_loop, deepspeed_loop, masked_lm)}

@@ -6,6 +6,11 @@ The exact loss itself needs nothing of DeepSpeed's: ZeRO 1, 2 and 3 average the 
 as DDP does, so the loss each rank backpropagates is its token-loss sum over the step's count times the number of
 ranks (`hf_parallel.exact`), and DeepSpeed's gradient accumulation adds the micro-batches' gradients as torch does
 (the Trainer tells it the loss is already scaled for accumulation).
+
+`ExactLoop(engine=...)` drives an engine of the user's own `deepspeed.initialize`: its data-parallel group counts the
+step, `engine.backward` (or a plain `loss.backward()`, which DeepSpeed scales through hooks on the forward's outputs)
+divides by the engine's gradient accumulation steps, which the loss given undoes, and the loop marks each step's last
+micro-batch as the engine's accumulation boundary.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import inspect
 
 from torch import nn
 
-__all__ = ["scalar_parameter_problem"]
+__all__ = ["check_loop_engine", "is_deepspeed_engine", "mark_boundary", "scalar_parameter_problem"]
 
 
 def scalar_parameter_problem(model: nn.Module) -> str | None:
@@ -42,3 +47,37 @@ def scalar_parameter_problem(model: nn.Module) -> str | None:
         "'self.dim() cannot be 0 to view Float as Byte'. Train this model with DDP or FSDP2, or give those "
         "parameters one dimension (shape [1]) before training."
     )
+
+
+def is_deepspeed_engine(model) -> bool:
+    """Whether `model` is a DeepSpeed engine (`deepspeed.initialize`'s first return), without importing deepspeed."""
+    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__)
+
+
+def check_loop_engine(engine) -> None:
+    """Refuse, naming the fix, an engine `ExactLoop` cannot drive: not an engine, or one with sequence parallelism."""
+    if not is_deepspeed_engine(engine):
+        raise TypeError(
+            f"ExactLoop(engine=...) takes the engine deepspeed.initialize returns, not {type(engine).__name__}; "
+            "with an accelerate-prepared model pass the Accelerator instead (ExactLoop(accelerator))."
+        )
+    sequence = getattr(engine, "sequence_parallel_size", 1)
+    if sequence > 1:
+        raise ValueError(
+            f"ExactLoop(engine=...): the engine runs sequence parallelism (sequence_parallel_size={sequence}), whose "
+            "ranks share rows; ExactLoop counts rows per data-parallel rank. Train sequence parallelism through "
+            "hf_parallel.Trainer."
+        )
+    if not engine.managed_gradient_accumulation():
+        raise ValueError(
+            "ExactLoop(engine=...) needs DeepSpeed's managed gradient accumulation (the default): with "
+            "managed_gradient_accumulation=false the caller owns the boundary; set it back to true."
+        )
+
+
+def mark_boundary(engine, last: bool) -> None:
+    """
+    Tell the engine whether the coming micro-batch is the last of its optimizer step, so that it reduces the
+    gradient and `engine.step()` steps there, also at an epoch's shorter last step (its own counter would not).
+    """
+    engine.set_gradient_accumulation_boundary(last)
