@@ -14,7 +14,12 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
-from .engines.deepspeed import scalar_parameter_problem
+from .engines.deepspeed import (
+    scalar_parameter_problem,
+    sequence_parallel_gradient_ranks,
+    sequence_shard_labels,
+    whole_valued,
+)
 from .exact import (
     ExactLoss,
     LossHead,
@@ -102,6 +107,10 @@ class TrainerMixin:
             contrastive_negatives=self.args.contrastive_negatives,
             gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
+        if self.get_sp_size() > 1 and self.is_deepspeed_enabled:
+            self.exact.gradient_ranks = sequence_parallel_gradient_ranks(
+                self.accelerator.num_processes, self.get_sp_size(), self.accelerator.state.deepspeed_plugin.zero_stage
+            )
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(
                 "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
@@ -128,6 +137,8 @@ class TrainerMixin:
         if owner is not None:
             return f"{owner.__name__} overrides compute_loss, which then owns the normalisation."
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
+        if sizes["sequence"] > 1 and getattr(self.accelerator.parallelism_config, "sp_backend", None) == "deepspeed":
+            sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (see __init__)
         if any(size > 1 for size in sizes.values()):
             return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
         return None
@@ -139,11 +150,14 @@ class TrainerMixin:
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
+        if self.get_sp_size() > 1:
+            sequence_shard_labels(batch_samples)
         head = self._exact_head(batch_samples[0])
         if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
         if self.compute_loss_func is None:  # a user loss sees whole batches: it cannot leave padding rows out
-            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
+            # Under sequence parallelism each micro-batch is a shard of another rank's rows: not marked (see docs).
+            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last and self.get_sp_size() == 1
             self.exact.mark_padding(head, batch_samples, end, self.accelerator.process_index, pads)
         return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name())
 
@@ -189,6 +203,8 @@ class TrainerMixin:
             main_input_name=self._main_input_name(),
         )
         loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
+        if step is not None:
+            loss = whole_valued(loss, self.exact.num_processes, self.exact.gradient_ranks)
         if not return_outputs:
             return loss
         if outputs is None:

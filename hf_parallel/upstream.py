@@ -75,7 +75,7 @@ HOOKS = (
 CALLED = (
     ("get_tp_size", ("self",), "tensor parallelism shares batches across ranks: no exact loss"),
     ("get_cp_size", ("self",), "context parallelism shares batches across ranks: no exact loss"),
-    ("get_sp_size", ("self",), "sequence parallelism shares batches across ranks: no exact loss"),
+    ("get_sp_size", ("self",), "sequence parallelism: exact under DeepSpeed Ulysses, its gradient combination"),
     ("compute_loss_context_manager", ("self",), "Seq2SeqTrainer's exact eval_loss next to generation"),
     ("_prepare_inputs", ("self", "inputs"), "Seq2SeqTrainer's exact eval_loss next to generation"),
     ("_get_output_dir", ("self", "trial"), "a checkpoint's run folder: the staging folder while it is written"),

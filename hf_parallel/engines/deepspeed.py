@@ -19,7 +19,15 @@ import inspect
 
 from torch import nn
 
-__all__ = ["check_loop_engine", "is_deepspeed_engine", "mark_boundary", "scalar_parameter_problem"]
+__all__ = [
+    "check_loop_engine",
+    "is_deepspeed_engine",
+    "mark_boundary",
+    "scalar_parameter_problem",
+    "sequence_parallel_gradient_ranks",
+    "sequence_shard_labels",
+    "whole_valued",
+]
 
 
 def scalar_parameter_problem(model: nn.Module) -> str | None:
@@ -81,3 +89,54 @@ def mark_boundary(engine, last: bool) -> None:
     gradient and `engine.step()` steps there, also at an epoch's shorter last step (its own counter would not).
     """
     engine.set_gradient_accumulation_boundary(last)
+
+
+# deepspeedai/DeepSpeed#8854 (in 0.20.2): ZeRO-3 adds the sequence-parallel ranks' gradients, as ZeRO 1 and 2 do;
+# before, it averaged them over the sequence-data-parallel group.
+_ZERO3_ADDS_SP_FROM = (0, 20, 2)
+
+
+def sequence_parallel_gradient_ranks(num_processes: int, sp_size: int, zero_stage: int | None) -> int:
+    """
+    The factor that undoes DeepSpeed's gradient averaging under Ulysses sequence parallelism (`sp_size` ranks share
+    each row, split along the sequence; each holds its own shifted labels): ZeRO 1 and 2 average over the
+    data-parallel ranks (`num_processes / sp_size`) and add the SP ranks' parts; ZeRO-3 before deepspeed 0.20.2
+    averages over all of them. Each rank back-propagates its shard's token-loss sum over the whole step's count times
+    this factor, and the engine's combination gives the loss of one device on the whole step.
+    """
+    data_parallel = num_processes // sp_size
+    if zero_stage == 3 and _deepspeed_version() < _ZERO3_ADDS_SP_FROM:
+        return num_processes
+    return data_parallel
+
+
+def _deepspeed_version() -> tuple[int, ...]:
+    import deepspeed
+
+    parts = []
+    for part in deepspeed.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def sequence_shard_labels(batches: list[dict]) -> None:
+    """
+    Under Ulysses each rank's micro-batch holds its shard of the sequence with `shift_labels` (already shifted over
+    the whole row) and no `labels`: give it `labels` (the shard's targets), as transformers' own sequence-parallel
+    loss does, so that the causal LM head counts and scores `shift_labels` as they are.
+    """
+    for batch in batches:
+        if "labels" not in batch and "shift_labels" in batch:
+            batch["labels"] = batch["shift_labels"]
+
+
+def whole_valued(loss, num_processes: int, gradient_ranks: int):
+    """
+    A rank's exact loss under sequence parallelism, valued as a DDP rank's (its share times `num_processes`, so that
+    the Trainer's mean over every rank logs the step's loss) while its gradient stays the share times
+    `gradient_ranks`, which is what the engine's combination of the ranks' gradients needs.
+    """
+    if gradient_ranks == num_processes:
+        return loss
+    return loss + loss.detach() * (num_processes / gradient_ranks - 1)

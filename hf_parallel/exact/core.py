@@ -90,6 +90,9 @@ class ExactLoss:
         self.label_names = label_names
         self.label_smoothing = label_smoothing
         self.num_processes = num_processes
+        #: The factor that undoes the gradient averaging of the run: the number of processes under DDP, FSDP and
+        #: ZeRO; under DeepSpeed's sequence parallelism only its data-parallel ranks (it adds the SP ranks' parts).
+        self.gradient_ranks = num_processes
         self.reduce_sum = reduce_sum
         self.gather_rows = gather_rows or (lambda rows: rows)
         self.unwrap = unwrap or (lambda model: model)
@@ -225,7 +228,7 @@ class ExactLoss:
         else:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.reduce_sum(counts), self.num_processes, len(batches))
+            step = StepCounts(self.reduce_sum(counts), self.gradient_ranks, len(batches))
         self._counted = (step, batches, device, main_input_name)
         self._recounted = None
         return step
