@@ -17,7 +17,7 @@ from .data_parallel import balanced_wrapper, with_exact_replicas
 from .engines.deepspeed import (
     scalar_parameter_problem,
     sequence_parallel_gradient_ranks,
-    sequence_shard_labels,
+    sequence_shards,
     whole_valued,
 )
 from .exact import (
@@ -150,8 +150,7 @@ class TrainerMixin:
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
-        if self.get_sp_size() > 1:
-            sequence_shard_labels(batch_samples)
+        sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
         head = self._exact_head(batch_samples[0])
         if not self.exact.usable(head, batch_samples):
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)

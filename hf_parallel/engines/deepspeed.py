@@ -25,7 +25,7 @@ __all__ = [
     "mark_boundary",
     "scalar_parameter_problem",
     "sequence_parallel_gradient_ranks",
-    "sequence_shard_labels",
+    "sequence_shards",
     "whole_valued",
 ]
 
@@ -120,15 +120,27 @@ def _deepspeed_version() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def sequence_shard_labels(batches: list[dict]) -> None:
+def sequence_shards(batches: list[dict], end, sp_size: int, warn_once) -> None:
     """
-    Under Ulysses each rank's micro-batch holds its shard of the sequence with `shift_labels` (already shifted over
-    the whole row) and no `labels`: give it `labels` (the shard's targets), as transformers' own sequence-parallel
-    loss does, so that the causal LM head counts and scores `shift_labels` as they are.
+    Under Ulysses (`sp_size` above 1) each rank's micro-batch holds its shard of the sequence with `shift_labels`
+    (already shifted over the whole row) and no `labels`: give it `labels` (the shard's targets), as transformers' own
+    sequence-parallel loss does, so that the causal LM head counts and scores `shift_labels` as they are. Each
+    micro-batch is a shard of another rank's rows, so the rows accelerate repeats to fill an epoch's last global batch
+    (`end.remainder` real ones) are not told apart there: warned, trained as stock trains them.
     """
+    if sp_size <= 1:
+        return
     for batch in batches:
         if "labels" not in batch and "shift_labels" in batch:
             batch["labels"] = batch["shift_labels"]
+    if end is not None and end.remainder > 0:
+        warn_once(
+            "exact_loss: under sequence parallelism the rows accelerate repeats to fill the last global batch of an "
+            f"epoch (only {end.remainder} of its rows are real) are trained, as stock trains them: each rank's "
+            "micro-batch is a shard of another rank's rows, which hf_parallel does not tell apart. Use a training "
+            "set whose size divides by per_device_train_batch_size x the number of processes, or "
+            "dataloader_drop_last=True."
+        )
 
 
 def whole_valued(loss, num_processes: int, gradient_ranks: int):
