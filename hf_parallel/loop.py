@@ -309,7 +309,7 @@ class LoopStep:
         self.batches = self._padding.mark(head, [dict(batch) for batch in self.batches], self._end)
         device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
-        return loop.exact.count_step(head, self.batches, device, main_input_name)
+        return loop.exact.count_step(head, self.batches, device, main_input_name, model)
 
     def _index_of(self, batch: dict) -> int:
         for index, own in enumerate(self.batches):

@@ -105,6 +105,7 @@ class TrainerMixin:
             gather_rows=lambda rows: gather_samples(self.accelerator, rows),
             unwrap=self.accelerator.unwrap_model,
             contrastive_negatives=self.args.contrastive_negatives,
+            router_balance=self.args.router_balance,
             gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
         if self.get_sp_size() > 1 and self.is_deepspeed_enabled:
@@ -158,7 +159,8 @@ class TrainerMixin:
             # Under sequence parallelism each micro-batch is a shard of another rank's rows: not marked (see docs).
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last and self.get_sp_size() == 1
             self.exact.mark_padding(head, batch_samples, end, self.accelerator.process_index, pads)
-        return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name())
+        model = self.model_wrapped  # what the micro-batches run through (a MoE router's first pass)
+        return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name(), model)
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")

@@ -35,6 +35,11 @@ class HfParallelArguments:
             gradient accumulation: `"step"`, every row of the optimizer step, as one device would (a cached
             two-pass: one more forward without gradient per micro-batch); `"micro_batch"`, the rows of each
             micro-batch over every device, as stock (warned). Without accumulation both are the whole batch.
+        router_balance (`str`, *optional*, defaults to `"step"`):
+            The load-balancing loss of a mixture-of-experts model (`output_router_logits=True`) under gradient
+            accumulation: `"step"`, that of one forward over the whole optimizer step (exact; the expert fractions
+            of every micro-batch, from one more forward without gradient per micro-batch); `"micro_batch"`, each
+            micro-batch's own, averaged over the step (warned). Without accumulation both are the whole batch.
     """
 
     #: The transformers class this one extends; an object of exactly that class is upgraded by `from_stock`.
@@ -76,6 +81,15 @@ class HfParallelArguments:
         },
     )
 
+    router_balance: str = field(
+        default="step",
+        metadata={
+            "help": "Under gradient accumulation, a MoE model's load-balancing loss: 'step' (over the whole optimizer "
+            "step, exact; one more forward without gradient per micro-batch) or 'micro_batch' (each micro-batch's, "
+            "averaged)."
+        },
+    )
+
     def __post_init__(self):
         # Before transformers sets up the devices, which fails with "invalid device ordinal" on a rank without a GPU.
         check_rank_has_a_gpu(self)
@@ -107,6 +121,8 @@ class HfParallelArguments:
             raise ValueError(
                 f"contrastive_negatives must be 'step' or 'micro_batch', got {self.contrastive_negatives!r}."
             )
+        if self.router_balance not in ("step", "micro_batch"):
+            raise ValueError(f"router_balance must be 'step' or 'micro_batch', got {self.router_balance!r}.")
         if self.gpu0_bsz is not None and self.gpu0_bsz > self.per_device_train_batch_size:
             # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
             # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.

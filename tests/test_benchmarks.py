@@ -1,7 +1,8 @@
 """
 The benchmarks print figures, not verdicts; here one fast case of `benchmarks/reach.py` (the in-process part of
 case 1, LoRA under gradient accumulation) is run for its figures: stock visibly off, hf_parallel on the reference.
-Then the steady-state window of `benchmarks/balance_gpu.py` (`gpu_steps.SteadyState`) and its printout, through a
+One short run of `benchmarks/router.py`: its first step's loss against the model's own over the step's rows. Then the
+steady-state window of `benchmarks/balance_gpu.py` (`gpu_steps.SteadyState`) and its printout, through a
 stand-in for torch.cuda's memory statistics (the figures themselves need a GPU).
 """
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import TrainerState
 
-from benchmarks import balance_gpu, gpu_steps, reach
+from benchmarks import balance_gpu, gpu_steps, reach, router
 
 
 def test_reach_lora_case_shows_stock_off_and_hf_parallel_exact(capsys):
@@ -40,6 +41,15 @@ def test_reach_lora_case_shows_stock_off_and_hf_parallel_exact(capsys):
     assert printed[0] == ["case", "setup", "figure", "before", "after"]
     assert printed[2][:4] == ["1", "LoRA BERT cls, GA 2", "loss / ref", "x2.000, err 1.0e+00"]
     assert printed[2][4].startswith("x1.000, err ")
+
+
+def test_router_benchmark_shows_stock_off_and_the_step_balance_exact(capsys):
+    result = router.main(["--steps", "2", "--rounds", "1", "--batch", "4"])
+    stock_off = result["stock"][1]
+    assert stock_off > 0.1  # stock adds up the 2 micro-batches' router terms
+    assert abs(result["hf_parallel (step: first pass)"][1]) < 1e-5
+    assert abs(result["hf_parallel (micro_batch)"][1]) < stock_off
+    assert "hf_parallel (step: first pass)" in capsys.readouterr().out
 
 
 class FakePeaks:

@@ -23,6 +23,7 @@ from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead, Route, routed
+from .heads.router import ROUTER_BALANCES
 from .remainder import (
     REAL_ROWS_KEY,
     TARGET_KEYS,
@@ -33,6 +34,7 @@ from .remainder import (
     mask_padding,
     sample_ids_of,
 )
+from .replicas import is_data_parallel
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .terms import EvalTotals, StepCounts, Terms, chosen_terms, sequence_length
 
@@ -65,6 +67,9 @@ class ExactLoss:
         contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
             loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
             (`"micro_batch"`, as stock); see `hf_parallel.exact.coupled`.
+        router_balance (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a MoE router's
+            load-balancing term over the whole step (`"step"`, a first pass without gradient) or each micro-batch's,
+            averaged (`"micro_batch"`); see `hf_parallel.exact.heads.router`.
     """
 
     def __init__(
@@ -79,11 +84,14 @@ class ExactLoss:
         fallback: str | None = None,
         contrastive_negatives: str = "step",
         gather_embeddings: Callable[[Any], Any] | None = None,
+        router_balance: str = "step",
     ):
         if contrastive_negatives not in CONTRASTIVE_NEGATIVES:
             raise ValueError(
                 f"contrastive_negatives must be one of {CONTRASTIVE_NEGATIVES}, got {contrastive_negatives!r}."
             )
+        if router_balance not in ROUTER_BALANCES:
+            raise ValueError(f"router_balance must be one of {ROUTER_BALANCES}, got {router_balance!r}.")
         if num_processes > 1 and reduce_sum is None:
             raise ValueError(f"ExactLoss over {num_processes} processes needs reduce_sum to count the whole step.")
         self.enabled = enabled
@@ -101,6 +109,7 @@ class ExactLoss:
         )
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self.contrastive_negatives = contrastive_negatives
+        self.router_balance = router_balance
         self.gather_embeddings = gather_embeddings
         #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.coupled`): checked, its cache.
         self.coupled: dict[tuple, dict] = {}
@@ -108,7 +117,7 @@ class ExactLoss:
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
         # The last step's counts and micro-batches (the check may change the head, then the count), and the counts
         # that replace those of a step the check recounted (`current_counts`).
-        self._counted: tuple[StepCounts, list[dict], torch.device | None, str] | None = None
+        self._counted: tuple[StepCounts, list[dict], torch.device | None, str, nn.Module | None] | None = None
         self._recounted: tuple[StepCounts, StepCounts] | None = None
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
@@ -219,17 +228,33 @@ class ExactLoss:
 
     # ---- Training: count the step, then each micro-batch's S / C ----
     def count_step(
-        self, head: LossHead, batches: list[dict], device: torch.device | None = None, main_input_name="input_ids"
+        self,
+        head: LossHead,
+        batches: list[dict],
+        device: torch.device | None = None,
+        main_input_name="input_ids",
+        model: nn.Module | None = None,
     ) -> StepCounts:
-        """The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks)."""
+        """
+        The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks). With `model` (what
+        the micro-batches run through) and a MoE router under gradient accumulation, also the router statistics of the
+        whole step (`router_balance="step"`: a forward of each micro-batch without gradient).
+        """
         counts = sum(padded_count(head, batch, main_input_name).to(device) for batch in batches)
+        router = None
+        if model is not None and head.router is not None and len(batches) > 1 and self.router_balance == "step":
+            forward = self.unwrap(model) if is_data_parallel(model) else model  # a DataParallel's: on one device
+            cuda = [counts.device.index or 0] if counts.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):  # the training forwards draw what they would have drawn
+                router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
+            router = self.reduce_sum(router.to(counts.device)) if self.num_processes > 1 else router
         if self.num_processes == 1:
-            step = StepCounts(counts, 1, len(batches))
+            step = StepCounts(counts, 1, len(batches), router)
         else:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.reduce_sum(counts), self.gradient_ranks, len(batches))
-        self._counted = (step, batches, device, main_input_name)
+            step = StepCounts(self.reduce_sum(counts), self.gradient_ranks, len(batches), router)
+        self._counted = (step, batches, device, main_input_name, model)
         self._recounted = None
         return step
 
@@ -273,18 +298,21 @@ class ExactLoss:
 
     def router_loss(self, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
         """
-        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.heads.router`): over the
-        micro-batch of every replica and rank (T and n added over ranks: one collective), scaled like the head's sums,
-        and averaged over the step's micro-batches, which gradient accumulation cannot put in one batch (warned once).
+        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.heads.router`): with the step's
+        router statistics (`router_balance="step"`), this micro-batch's share of the whole step's term; otherwise
+        over the micro-batch of every replica and rank (T and n added over ranks: one collective), scaled like the
+        head's sums, and averaged over the step's micro-batches (warned once).
         """
+        if step.router is not None:
+            return head.router.loss(own, step.router) * step.scale
         everyone = self.reduce_sum(head.router.shared(own)) if self.num_processes > 1 else None
         if step.micro_batches > 1:
             self.warn_once(
                 "exact_loss: the router auxiliary loss of a mixture-of-experts model is taken over each micro-batch "
-                f"of every device, and averaged over the {step.micro_batches} micro-batches of a step (gradient "
-                "accumulation runs them one after another, so no micro-batch's term can see the routing of the "
-                "others; stock adds them up). The cross-entropy is exact over the whole step. For a router loss "
-                "over the whole step, use a larger per-device batch instead of gradient accumulation."
+                f"of every device, and averaged over the {step.micro_batches} micro-batches of a step "
+                "(router_balance='micro_batch'; stock adds them up). The cross-entropy is exact over the whole step. "
+                "router_balance='step' (the default) gives the router loss of one forward over the whole step, at "
+                "the cost of one more forward without gradient per micro-batch."
             )
         return head.router.loss(own, everyone) * (step.scale / step.micro_batches)
 

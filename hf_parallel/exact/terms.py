@@ -47,12 +47,14 @@ class StepCounts:
 
     The Trainer hands it to `compute_loss` as `num_items_in_batch`; its type tells an exact step from a stock one.
     `scale` is the factor that undoes DDP's gradient averaging (the number of processes; 1 without DDP);
-    `micro_batches` the micro-batches of this rank's step (a stock loss the check falls back to is divided by them).
+    `micro_batches` the micro-batches of this rank's step (a stock loss the check falls back to is divided by them);
+    `router` a MoE router's `[E + 1]` T and n of the whole step (every micro-batch and rank), or None.
     """
 
     counts: torch.Tensor
     scale: int = 1
     micro_batches: int = 1
+    router: torch.Tensor | None = None
 
     def total(self) -> torch.Tensor:
         return self.counts.sum()

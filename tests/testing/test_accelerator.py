@@ -39,8 +39,22 @@ def _inside_and_after() -> None:
     assert after == originals
 
 
+_HAS_BACKEND_HOOK = hasattr(accelerate.state, "get_torch_accelerator_backend")
+
+
+@pytest.mark.skipif(not _HAS_BACKEND_HOOK, reason="accelerate before 1.16 has no get_torch_accelerator_backend")
 def test_patches_within_the_block_and_restores_after():
     spawn_cpu_ranks(_inside_and_after, num_processes=1, timeout=120)
+
+
+def _refuses_on_old_accelerate() -> None:
+    with pytest.raises(RuntimeError, match="needs accelerate 1.16 or later"), cpu_as_accelerator():
+        pass
+
+
+@pytest.mark.skipif(_HAS_BACKEND_HOOK, reason="accelerate 1.16 and later have the hook the switch patches")
+def test_names_the_accelerate_it_needs():
+    spawn_cpu_ranks(_refuses_on_old_accelerate, num_processes=1, timeout=120)
 
 
 def test_refuses_once_accelerate_chose_a_backend():

@@ -16,17 +16,28 @@ replicas and ranks (one `[E + 1]` all-reduce, without gradient) and each rank ba
 n_all^2`: the ranks' terms add up to the loss of the whole batch, and their gradients to its gradient.
 
 Under gradient accumulation the micro-batches run one after another, so no micro-batch's term can see the routing of
-the next: each gets its own global batch's term (one device on that micro-batch), and the step takes their mean, with
-one warning (stock adds them up instead: x the accumulation steps).
+the next. With `router_balance="step"` (the default) the step first runs each micro-batch forward without gradient
+and adds up T and n over the whole step (`step_stats`, over every rank too); each micro-batch then back-propagates
+`E * T_step . Q_own / n_step^2`, and the step's terms add up to the loss of one forward over the whole step (the
+"global-batch" balance), at the cost of one more forward without gradient per micro-batch. With "micro_batch" each
+micro-batch gets its own global batch's term and the step takes their mean, with one warning (stock adds them up:
+x the accumulation steps).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from .base import HeadMismatch
 
-__all__ = ["RouterBalance", "router_balance_of", "text_config"]
+__all__ = ["ROUTER_BALANCES", "RouterBalance", "router_balance_of", "text_config"]
+
+#: The values of `TrainingArguments.router_balance`: "step", the router term of one forward over the whole optimizer
+#: step under gradient accumulation (exact; one more forward without gradient per micro-batch); "micro_batch", each
+#: micro-batch's own term, averaged over the step (warned).
+ROUTER_BALANCES = ("step", "micro_batch")
 
 
 class RouterBalance:
@@ -110,6 +121,30 @@ class RouterBalance:
         assignments, kept = assignments.to(probabilities.device, probabilities.dtype), kept.to(probabilities.device)
         scale = self.coef * self.experts / kept.to(probabilities.dtype).clamp(min=1).pow(2)
         return (assignments * probabilities).sum() * scale
+
+    def step_stats(self, forward, batches: list[dict], label_keys, real_rows_key: str) -> torch.Tensor:
+        """
+        `[E + 1]`: T and n of every micro-batch of a step (this rank's), from a forward of each without gradient, in
+        float64. `forward` runs one micro-batch (the model, its DDP / DeepSpeed wrapper); label keys and the padding
+        mark (`real_rows_key`: rows from there on are an epoch's padding) are left out of its inputs, and an LM asked
+        for the last position's logits only, where its forward takes `logits_to_keep`.
+        """
+        parameters = inspect.signature(getattr(forward, "forward", forward)).parameters
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        total = torch.zeros(self.experts + 1, dtype=torch.float64)
+        for batch in batches:
+            left_out = {*label_keys, "shift_labels", real_rows_key}
+            inputs = {key: value for key, value in batch.items() if key not in left_out}
+            with torch.no_grad():
+                outputs = forward(**inputs, **extra)
+            rows = next(value for value in batch.values() if torch.is_tensor(value)).shape[0]
+            stats = self.row_stats(outputs, inputs.get("attention_mask"), rows)
+            if stats is None:
+                raise HeadMismatch("the model returned no router logits in the step's first pass.")
+            real = batch.get(real_rows_key)
+            stats = stats[: int(real)] if real is not None else stats
+            total = total + self.shared(stats.sum(0)).cpu()
+        return total
 
     def shared(self, own: torch.Tensor) -> torch.Tensor:
         """`[E + 1]`: what the devices add up (T and n, without gradient), in float64."""
