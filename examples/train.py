@@ -212,8 +212,9 @@ def main() -> None:
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.wait_for_everyone()
 
+    # On every process: under DeepSpeed ZeRO-3 each holds a slice of every parameter, and the forward needs them all.
+    max_diff = check_reload(trainer, training_args.output_dir, AutoModelForSequenceClassification)
     if trainer.is_world_process_zero():
-        max_diff = check_reload(trainer, training_args.output_dir, AutoModelForSequenceClassification)
         print(f"Saved the model and tokenizer to {training_args.output_dir}")
         print(f"Reload check: from_pretrained gives the same logits (max |diff| = {max_diff:.2e}).")
     if torch.distributed.is_initialized():

@@ -15,7 +15,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .engines.deepspeed import (
-    scalar_parameter_problem,
+    before_engine,
     sequence_parallel_gradient_ranks,
     sequence_shards,
     whole_valued,
@@ -297,10 +297,9 @@ class TrainerMixin:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _check_engine(self) -> None:
-        """Refuse, naming the cause and the fix, a model the engine accelerate is about to start would crash on."""
-        problem = scalar_parameter_problem(self.model) if self.is_deepspeed_enabled else None
-        if problem is not None:
-            raise ValueError(problem)
+        """Before DeepSpeed's engine starts: refuse a model it would crash on; under ZeRO-3, saves that gather."""
+        if self.is_deepspeed_enabled:
+            before_engine(unwrap_model(self.model), self.accelerator.state.deepspeed_plugin.zero_stage)
 
     # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
     def _save_checkpoint(self, model: nn.Module, trial) -> None:

@@ -1,11 +1,12 @@
 """
-`hf-parallel config`: write an accelerate config for DDP on this machine (or several like it) and print the
-`accelerate launch` commands. The settings come from `hf_parallel.commands.config_plan`; this module renders them as
-YAML, writes the file (every failure is one clear error) and adds the subcommand to the parser.
+`hf-parallel config`: write an accelerate config for DDP (or DeepSpeed ZeRO) on this machine (or several like it)
+and print the `accelerate launch` commands. The settings come from `hf_parallel.commands.config_plan`; this module
+renders them as YAML, writes the file (every failure is one clear error) and adds the subcommand to the parser.
 
 ```bash
 hf-parallel config -o ddp.yaml          # DDP over the GPUs found here (2 CPU processes on a machine without GPUs)
 hf-parallel config --num-machines 2 --machine-rank 0 --main-process-ip 10.0.0.1 -o ddp.yaml
+hf-parallel config --deepspeed 3 -o zero3.yaml   # DeepSpeed ZeRO-3 over the GPUs found here
 ```
 """
 
@@ -29,11 +30,17 @@ def render_config(plan: LaunchPlan) -> str:
     """The YAML text of a plan, with a header saying what it is and where it came from."""
     s = plan.settings
     what = "CPU processes (gloo)" if plan.uses_cpu else "GPUs, one process each (NCCL)"
+    engine = "DDP" if plan.zero_stage is None else f"DeepSpeed ZeRO-{plan.zero_stage}"
     header = [
         "# Written by `hf-parallel config` (from hf_parallel/configs/" + plan.base + ".yaml).",
-        f"# DDP over {plan.processes_per_machine} x {what} on each of {s['num_machines']} machine(s): "
+        f"# {engine} over {plan.processes_per_machine} x {what} on each of {s['num_machines']} machine(s): "
         f"{s['num_processes']} processes in all (accelerate's num_processes counts every machine).",
     ]
+    if plan.zero_stage == 3:
+        header.append(
+            "# Save on every process (trainer.save_model, model.save_pretrained): each holds a slice of every "
+            "parameter."
+        )
     if plan.uses_cpu:
         header.append(
             "# accelerate does not pass use_cpu to the processes it starts: give the script --use_cpu "
@@ -105,6 +112,7 @@ def _run(args: argparse.Namespace) -> None:
         cpu=args.cpu,
         gpu_ids=args.gpu_ids,
         mixed_precision=args.mixed_precision,
+        deepspeed=args.deepspeed,
     )
     text = render_config(plan)
     if args.output == "-":
@@ -133,7 +141,8 @@ def add_parser(subcommands, integer) -> argparse.ArgumentParser:
         "config",
         help="write an accelerate config fit for this machine and print the `accelerate launch` command",
         description="Write an accelerate config for DDP over the GPUs of this machine (over CPU processes when it "
-        "has none), for one or several machines, and print the `accelerate launch` command to use.",
+        "has none), or DeepSpeed ZeRO over its GPUs (--deepspeed), for one or several machines, and print the "
+        "`accelerate launch` command to use.",
     )
     config.add_argument(
         "--num-processes",
@@ -159,6 +168,13 @@ def add_parser(subcommands, integer) -> argparse.ArgumentParser:
     config.add_argument("--cpu", action="store_true", help="use CPU processes (gloo) even when GPUs are visible")
     config.add_argument("--gpu-ids", default=None, help="comma-separated GPUs to use, e.g. 0,1 (default: all)")
     config.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISIONS, help="(default: no)")
+    config.add_argument(
+        "--deepspeed",
+        type=integer,
+        default=None,
+        metavar="STAGE",
+        help="DeepSpeed ZeRO stage 2 or 3 over the GPUs instead of DDP (needs GPUs and `pip install deepspeed`)",
+    )
     config.add_argument(
         "-o",
         "--output",

@@ -20,8 +20,10 @@ from .gpus import count_gpus
 
 __all__ = [
     "CPU_PROCESSES_PER_MACHINE",
+    "DEEPSPEED_CONFIGS",
     "DEFAULT_PORT",
     "SHIPPED_CONFIGS",
+    "ZERO_STAGES",
     "LaunchPlan",
     "plan_config",
     "shipped_config",
@@ -29,6 +31,9 @@ __all__ = [
 ]
 
 SHIPPED_CONFIGS = ("cpu_ddp", "multi_gpu", "multi_node")
+# DeepSpeed ZeRO over the GPUs of one machine (several with --num-machines): `hf-parallel config --deepspeed 2|3`.
+DEEPSPEED_CONFIGS = ("deepspeed_zero2", "deepspeed_zero3")
+ZERO_STAGES = (2, 3)
 # Processes per machine when there is no GPU: 2 shows real DDP (and catches DDP bugs) without oversubscribing a
 # small machine; raise it with --num-processes on a many-core CPU cluster.
 CPU_PROCESSES_PER_MACHINE = 2
@@ -44,8 +49,9 @@ def shipped_config_text(name: str) -> str:
 
     Args:
         name (`str`):
-            One of `"cpu_ddp"` (2 CPU processes, gloo), `"multi_gpu"` (one machine, one process per GPU) and
-            `"multi_node"` (a template for several machines).
+            One of `"cpu_ddp"` (2 CPU processes, gloo), `"multi_gpu"` (one machine, one process per GPU),
+            `"multi_node"` (a template for several machines), `"deepspeed_zero2"` and `"deepspeed_zero3"` (DeepSpeed
+            ZeRO-2 / ZeRO-3 over the GPUs of one machine).
 
     ```python
     from hf_parallel.commands.config_plan import shipped_config_text
@@ -53,8 +59,9 @@ def shipped_config_text(name: str) -> str:
     print(shipped_config_text("multi_node"))
     ```
     """
-    if name not in SHIPPED_CONFIGS:
-        raise ValueError(f"No shipped accelerate config named {name!r}; the names are {', '.join(SHIPPED_CONFIGS)}.")
+    if name not in SHIPPED_CONFIGS + DEEPSPEED_CONFIGS:
+        names = ", ".join(SHIPPED_CONFIGS + DEEPSPEED_CONFIGS)
+        raise ValueError(f"No shipped accelerate config named {name!r}; the names are {names}.")
     return resources.files("hf_parallel").joinpath("configs", f"{name}.yaml").read_text(encoding="utf-8")
 
 
@@ -71,6 +78,7 @@ class LaunchPlan:
     base: str
     processes_per_machine: int
     uses_cpu: bool
+    zero_stage: int | None = None
 
 
 def _check_host(main_process_ip: str) -> None:
@@ -170,11 +178,30 @@ def _processes_per_machine(num_processes: int | None, uses_cpu: bool, available:
     return num_processes
 
 
+def _check_deepspeed(deepspeed: int | None, uses_cpu: bool, cpu: bool) -> None:
+    if deepspeed is None:
+        return
+    if deepspeed not in ZERO_STAGES:
+        raise ValueError(f"--deepspeed takes the ZeRO stage, 2 or 3, got {deepspeed!r}.")
+    if uses_cpu:
+        raise ValueError(
+            f"--deepspeed {deepspeed} needs GPUs ({'--cpu was given' if cpu else 'none is visible here'}): "
+            "accelerate launches DeepSpeed with one process per GPU. Write the config on a GPU machine, or copy "
+            f"hf_parallel/configs/deepspeed_zero{deepspeed}.yaml and set its num_processes."
+        )
+
+
 def _settings(base: str, total: int, uses_cpu: bool, ids: list[int] | None, **values) -> dict:
     """The shipped config `base` with the planned values written over it."""
     settings = shipped_config(base)
-    # accelerate starts several processes only for the MULTI_GPU type; one process in all needs none.
-    settings.update(distributed_type="MULTI_GPU" if total > 1 else "NO", use_cpu=uses_cpu, num_processes=total)
+    if base in DEEPSPEED_CONFIGS:
+        # DeepSpeed runs one process too; several machines start through torchrun, as DDP's do, not pdsh.
+        settings.update(use_cpu=False, num_processes=total)
+        if values["num_machines"] > 1:
+            settings["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+    else:
+        # accelerate starts several processes only for the MULTI_GPU type; one process in all needs none.
+        settings.update(distributed_type="MULTI_GPU" if total > 1 else "NO", use_cpu=uses_cpu, num_processes=total)
     settings.update(values)
     if values["num_machines"] == 1:
         settings.pop("main_process_ip", None)
@@ -195,6 +222,7 @@ def plan_config(
     gpu_ids: str | None = None,
     mixed_precision: str = "no",
     num_gpus: int | None = None,
+    deepspeed: int | None = None,
 ) -> LaunchPlan:
     """
     Build the accelerate settings fit for this machine: DDP over its GPUs, or over CPU processes when it has none.
@@ -221,6 +249,9 @@ def plan_config(
             `"no"`, `"fp16"` or `"bf16"`.
         num_gpus (`int`, *optional*):
             The GPUs of this machine; counted by `hf_parallel.commands.gpus.count_gpus` when not given.
+        deepspeed (`int`, *optional*):
+            A ZeRO stage, 2 or 3: DeepSpeed over the GPUs (from the shipped `deepspeed_zero2` / `deepspeed_zero3`
+            config) instead of DDP. Needs GPUs.
 
     Raises:
         `ValueError`: a value out of range or settings that contradict each other, naming the option and the fix.
@@ -240,13 +271,17 @@ def plan_config(
     _check_machines(num_machines, machine_rank, main_process_ip)
     port = _check_port(main_process_port, num_machines)
     _check_precision(mixed_precision, uses_cpu)
+    _check_deepspeed(deepspeed, uses_cpu, cpu)
     ids = _parse_gpu_ids(gpu_ids, cpu, uses_cpu, num_gpus)
     available = len(ids) if ids is not None else num_gpus
     per_machine = _processes_per_machine(num_processes, uses_cpu, available, gpu_ids)
 
     base = "cpu_ddp" if uses_cpu else ("multi_node" if num_machines > 1 else "multi_gpu")
+    base = f"deepspeed_zero{deepspeed}" if deepspeed is not None else base
     machines = dict(num_machines=num_machines, machine_rank=machine_rank, main_process_port=port)
     if num_machines > 1:
         machines["main_process_ip"] = main_process_ip
     settings = _settings(base, per_machine * num_machines, uses_cpu, ids, **machines, mixed_precision=mixed_precision)
-    return LaunchPlan(settings=settings, base=base, processes_per_machine=per_machine, uses_cpu=uses_cpu)
+    return LaunchPlan(
+        settings=settings, base=base, processes_per_machine=per_machine, uses_cpu=uses_cpu, zero_stage=deepspeed
+    )

@@ -19,7 +19,10 @@ import inspect
 
 from torch import nn
 
+from .zero3 import gather_on_save
+
 __all__ = [
+    "before_engine",
     "check_loop_engine",
     "is_deepspeed_engine",
     "mark_boundary",
@@ -55,6 +58,19 @@ def scalar_parameter_problem(model: nn.Module) -> str | None:
         "'self.dim() cannot be 0 to view Float as Byte'. Train this model with DDP or FSDP2, or give those "
         "parameters one dimension (shape [1]) before training."
     )
+
+
+def before_engine(model: nn.Module, zero_stage: int | None) -> None:
+    """
+    What the Trainer does before DeepSpeed's engine starts on `model` (its unwrapped model): refuse, naming the cause
+    and the fix, a model the engine would crash on (`scalar_parameter_problem`); under ZeRO-3, make the model's
+    `save_pretrained` write full weights from the partitions (`hf_parallel.engines.zero3`).
+    """
+    problem = scalar_parameter_problem(model)
+    if problem is not None:
+        raise ValueError(problem)
+    if zero_stage == 3:
+        gather_on_save(model)
 
 
 def is_deepspeed_engine(model) -> bool:

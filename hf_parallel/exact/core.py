@@ -12,6 +12,7 @@ S and C up over the whole set and divides once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -117,7 +118,8 @@ class ExactLoss:
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
         # The last step's counts and micro-batches (the check may change the head, then the count), and the counts
         # that replace those of a step the check recounted (`current_counts`).
-        self._counted: tuple[StepCounts, list[dict], torch.device | None, str, nn.Module | None] | None = None
+        # The model by weak reference: a finished run's wrapper (DDP's) must not outlive it here.
+        self._counted: tuple[StepCounts, list[dict], torch.device | None, str, weakref.ref | None] | None = None
         self._recounted: tuple[StepCounts, StepCounts] | None = None
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
@@ -254,7 +256,7 @@ class ExactLoss:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
             step = StepCounts(self.reduce_sum(counts), self.gradient_ranks, len(batches), router)
-        self._counted = (step, batches, device, main_input_name, model)
+        self._counted = (step, batches, device, main_input_name, None if model is None else weakref.ref(model))
         self._recounted = None
         return step
 
@@ -357,7 +359,8 @@ class ExactLoss:
             if step is not None and counted is not None and counted[0] is self.current_counts(step):
                 # Counted with the head the check replaced: count again (every rank does, as all decided alike). The
                 # caller keeps passing `step`: `current_counts` gives it the new counts, nothing is changed in place.
-                self._recounted = (step, self.count_step(settled.head, *counted[1:]))
+                counted_model = None if counted[4] is None else counted[4]()
+                self._recounted = (step, self.count_step(settled.head, *counted[1:4], counted_model))
         return settled.head, terms
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----

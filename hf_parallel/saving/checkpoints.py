@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, logging
 
+from ..engines.zero3 import gathered_parameters, is_partitioned, wait_for_every_rank
 from .unwrap import MAX_KEYS_SHOWN, match_keys, unwrap_model
 
 logger = logging.get_logger(__name__)
@@ -329,7 +330,9 @@ def load_state_dict(
 def check_reload(trainer, output_dir: str, model_class: type | None = None, tolerance: float = 1e-5) -> float:
     """
     Reload the model `trainer` saved in `output_dir` with `from_pretrained` and compare its logits on the first
-    evaluation batch with the trained model's; return the largest absolute difference.
+    evaluation batch with the trained model's; return the largest absolute difference. Under DeepSpeed ZeRO-3 every
+    process must call it (the trained model's forward gathers each layer from every process; a process that calls it
+    alone is told so after `hf_parallel.engines.zero3.RANKS_DEADLINE_S` seconds); elsewhere any process may.
 
     Args:
         trainer (`transformers.Trainer`): the trainer that saved the model (it has an evaluation dataset).
@@ -344,26 +347,35 @@ def check_reload(trainer, output_dir: str, model_class: type | None = None, tole
 
     ```python
     trainer.save_model(args.output_dir)
+    max_diff = check_reload(trainer, args.output_dir)  # on every process: under ZeRO-3 each holds a slice
     if trainer.is_world_process_zero():
-        print(f"max |diff| = {check_reload(trainer, args.output_dir):.2e}")
+        print(f"max |diff| = {max_diff:.2e}")
     ```
     """
     from accelerate.utils import send_to_device
 
     trained = unwrap_model(trainer.model)
+    partitioned = is_partitioned(trained)
+    if partitioned:
+        wait_for_every_rank("check_reload", "every rank must call check_reload (each runs the trained model).")
     loader = model_class if model_class is not None else type(trained)
+    # Under ZeRO-3 every rank loads it, partitioned as the trained model is (transformers' zero.Init).
     reloaded, info = loader.from_pretrained(output_dir, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:
         raise RuntimeError(f"The saved checkpoint in {output_dir} does not load cleanly: {bad}")
     device = next(trained.parameters()).device
-    reloaded.to(device).eval()
+    if not is_partitioned(reloaded):
+        reloaded.to(device)
+    reloaded.eval()
     trained.eval()
     batch = next(iter(trainer.get_eval_dataloader()))
     labels = getattr(trainer, "label_names", ["labels"])
     inputs = send_to_device({k: v for k, v in batch.items() if k not in labels}, device)
     with torch.no_grad():
-        expected, actual = trained(**inputs).logits, reloaded(**inputs).logits
+        expected = trained(**inputs).logits  # under ZeRO-3 the engine gathers each layer as it runs
+        with gathered_parameters(reloaded):
+            actual = reloaded(**inputs).logits
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
     return (actual - expected).abs().max().item()
 

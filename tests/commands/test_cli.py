@@ -22,7 +22,13 @@ from accelerate.utils import DistributedType
 from hf_parallel.commands import config_plan
 from hf_parallel.commands import env as env_command
 from hf_parallel.commands import gpus as gpu_count
-from hf_parallel.commands.config_plan import SHIPPED_CONFIGS, plan_config, shipped_config, shipped_config_text
+from hf_parallel.commands.config_plan import (
+    DEEPSPEED_CONFIGS,
+    SHIPPED_CONFIGS,
+    plan_config,
+    shipped_config,
+    shipped_config_text,
+)
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.commands.main import main
 from tests.paths import NO_GPUS, ROOT, repo_env
@@ -72,6 +78,63 @@ def test_shipped_configs_say_what_they_are_for():
         # Each multi-machine setting comes with a comment explaining it.
         line = text.splitlines().index(next(line for line in text.splitlines() if line.startswith(f"{key}:")))
         assert text.splitlines()[line - 1].startswith("#"), key
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda stage: f"deepspeed_zero{stage}.yaml")
+def test_shipped_deepspeed_configs_load_in_accelerate(stage):
+    """Each loads as a DeepSpeed launch of its ZeRO stage; ZeRO-3's saves whole weights (tests/launch runs it)."""
+    name = f"deepspeed_zero{stage}"
+    assert name in DEEPSPEED_CONFIGS
+    path = ROOT / "hf_parallel" / "configs" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == DistributedType.DEEPSPEED
+    assert config.deepspeed_config["zero_stage"] == stage
+    assert config.num_processes == 2 and config.use_cpu is False and config.main_process_port == 0
+    # The Trainer's arguments fill DeepSpeed's "auto" values: the config sets none of them.
+    assert not {"gradient_accumulation_steps", "gradient_clipping"} & set(config.deepspeed_config)
+    if stage == 3:
+        assert config.deepspeed_config["zero3_save_16bit_model"] is True
+        assert config.deepspeed_config["zero3_init_flag"] is True
+    assert shipped_config_text(name) == path.read_text()
+
+
+def test_config_deepspeed_over_the_gpus(gpus, tmp_path, capsys):
+    gpus(4)
+    config, text, printed = _config(tmp_path, capsys, "--deepspeed", "3")
+    assert config.distributed_type == DistributedType.DEEPSPEED
+    assert config.deepspeed_config["zero_stage"] == 3 and config.deepspeed_config["zero3_save_16bit_model"] is True
+    assert config.num_processes == 4 and config.gpu_ids == "all"
+    assert "from hf_parallel/configs/deepspeed_zero3.yaml" in text and "DeepSpeed ZeRO-3 over 4 x GPUs" in text
+    assert "Save on every process" in text
+    assert f"accelerate launch --config_file {tmp_path / 'config.yaml'} train.py" in printed
+    # Several machines: each starts its processes through torchrun (accelerate's "standard"), not pdsh.
+    (tmp_path / "config.yaml").unlink()
+    argv = ["--deepspeed", "2", "--num-machines", "2", "--main-process-ip", "10.0.0.1"]
+    config, text, _ = _config(tmp_path, capsys, *argv)
+    assert config.distributed_type == DistributedType.DEEPSPEED and config.num_processes == 8
+    assert config.deepspeed_config == {
+        "zero_stage": 2,
+        "offload_optimizer_device": "none",
+        "offload_param_device": "none",
+        "deepspeed_multinode_launcher": "standard",
+    }
+
+
+@pytest.mark.parametrize(
+    ("count", "argv", "message"),
+    [
+        (0, ["--deepspeed", "3"], "--deepspeed 3 needs GPUs (none is visible here)"),
+        (4, ["--deepspeed", "2", "--cpu"], "--deepspeed 2 needs GPUs (--cpu was given)"),
+        (4, ["--deepspeed", "1"], "--deepspeed takes the ZeRO stage, 2 or 3, got 1."),
+    ],
+)
+def test_config_deepspeed_errors(gpus, tmp_path, capsys, count, argv, message):
+    gpus(count)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", *argv, "-o", str(tmp_path / "c.yaml")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "c.yaml").exists()
 
 
 def test_unknown_shipped_config_is_named():

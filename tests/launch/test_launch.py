@@ -10,6 +10,7 @@ rank log its batch sizes. The final weights are compared with a single process t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -31,6 +32,9 @@ from tests.processes import Finished, run_together
 
 TRAIN = ROOT / "examples" / "train.py"
 CPU_CONFIG = ROOT / "hf_parallel" / "configs" / "cpu_ddp.yaml"
+ZERO3_CONFIG = ROOT / "hf_parallel" / "configs" / "deepspeed_zero3.yaml"
+CPU_ACCELERATOR_ENTRY = ROOT / "tests" / "engines" / "cpu_accelerator_entry.py"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 PER_RANK_BATCH = 8
 LAUNCH_TIMEOUT_S = 300
 DDP_LOG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO", "TORCH_CPP_LOG_LEVEL": "INFO"}
@@ -168,6 +172,36 @@ def test_shipped_cpu_config_runs_ddp_equal_to_one_process(model_dir, single_proc
     reference, reference_losses = single_process_run
     assert _logged_losses(result.output) == reference_losses
     assert _max_weight_diff(out, reference) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
+def test_shipped_deepspeed_zero3_config_trains_equal_to_one_process(model_dir, single_process_run, tmp_path):
+    """
+    `accelerate launch --config_file deepspeed_zero3.yaml examples/train.py`, each launched process entering
+    `cpu_as_accelerator` first (tests/engines/cpu_accelerator_entry.py; on GPUs the script is launched itself): 2
+    processes under ZeRO-3 train as one process on both ranks' rows, the saved model is whole (the example's reload
+    check, run on every process, compares its logits with the partitioned model's).
+    """
+    out = tmp_path / "zero3"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
+        str(CPU_ACCELERATOR_ENTRY), str(TRAIN), *_train_flags(model_dir, out, PER_RANK_BATCH),
+    ]  # fmt: skip
+    (result,), wall = _run([command], ROOT)
+    print(f"accelerate launch --config_file deepspeed_zero3.yaml examples/train.py (2 processes): {wall:.1f} s")
+    log = result.output
+    assert log.count("Detected DeepSpeed ZeRO-3: activating zero.init() for this model") >= 2, log[-3000:]
+    assert log.count(f"Instantaneous batch size per device = {PER_RANK_BATCH}") == 2
+    assert log.count(f"Total train batch size (w. parallel, distributed & accumulation) = {2 * PER_RANK_BATCH}") == 2
+    assert "Reload check: from_pretrained gives the same logits" in log
+    reference, reference_losses = single_process_run
+    assert _logged_losses(log) == reference_losses
+    # Compared as from_pretrained loads them: under ZeRO-3 transformers 5.25 writes BERT's LayerNorm parameters under
+    # their legacy names (gamma, beta), which it maps back when loading.
+    ours, theirs = (BertForSequenceClassification.from_pretrained(path).state_dict() for path in (out, reference))
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
 
 
 def _free_port() -> int:
