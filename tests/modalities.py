@@ -1,6 +1,7 @@
 """
 One tiny model and its rows per head family beyond text (`CASES`): image classification (ViT), CTC speech
-recognition (Wav2Vec2, `ctc_loss_reduction` "mean" and "sum"), speech seq2seq (Whisper), semantic segmentation
+recognition (Wav2Vec2, `ctc_loss_reduction` "mean" and "sum"; OmniASR "sum", whose blank is its `blank_token_id`, not
+its pad token), speech seq2seq (Whisper), semantic segmentation
 (Segformer, its batch normalisation replaced: see `_segformer`), a vision-language LM (LLaVA, rows with an image's
 placeholder positions ignored). Random images, waveforms and features made in code; every case has uneven items per
 row (target lengths, audio lengths, labelled pixels), so that a mean of per-device means is visibly wrong.
@@ -17,6 +18,8 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    OmniASRCTCConfig,
+    OmniASRForCTC,
     SegformerConfig,
     SegformerForSemanticSegmentation,
     ViTConfig,
@@ -96,6 +99,41 @@ def ctc_rows(n: int, seed: int) -> list[dict]:
         labels = torch.full((8,), -100)
         labels[:targets] = torch.randint(1, CHARACTERS, (targets,), generator=g)
         rows.append({"input_values": values, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def _omniasr(seed: int) -> nn.Module:
+    """
+    A tiny OmniASR CTC model, "sum" reduction: its loss takes `blank_token_id` (0) as the blank, and its pad token (1)
+    is a character like any other, which the rows' targets hold.
+    """
+    from transformers.models.omniasr.configuration_omniasr import OmniASRAudioConfig
+
+    torch.manual_seed(seed)
+    audio = tiny(
+        OmniASRAudioConfig,
+        conv_dim=(16, 16),
+        conv_kernel=(10, 3),
+        conv_stride=(5, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0,
+        layerdrop=0.0,
+        activation_dropout=0.0,
+    )
+    config = OmniASRCTCConfig(vocab_size=CHARACTERS, audio_config=audio, ctc_loss_reduction="sum")
+    assert (config.blank_token_id, config.pad_token_id) == (0, 1)
+    return OmniASRForCTC(config)
+
+
+def omniasr_rows(n: int, seed: int) -> list[dict]:
+    """`ctc_rows` as OmniASR takes them: one channel of samples, the mask as `padding_mask`; targets include 1."""
+    rows = ctc_rows(n, seed)
+    for i, row in enumerate(rows):
+        row["input_values"] = row["input_values"].unsqueeze(0)
+        row["padding_mask"] = row.pop("attention_mask")
+        if i % 5 == 1:
+            row["labels"][0] = 1  # the pad token: a target for OmniASR's loss, not a blank
     return rows
 
 
@@ -201,6 +239,7 @@ CASES = {
         Case("vit_image_classification", _vit, image_rows),
         Case("wav2vec2_ctc_mean", functools.partial(_wav2vec2, "mean"), ctc_rows),
         Case("wav2vec2_ctc_sum", functools.partial(_wav2vec2, "sum"), ctc_rows),
+        Case("omniasr_ctc_sum", _omniasr, omniasr_rows),
         Case("whisper_speech_seq2seq", _whisper, speech_seq2seq_rows),
         Case("segformer_segmentation", _segformer, segmentation_rows),
         Case("llava_vlm", _llava, vlm_rows),

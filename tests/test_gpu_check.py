@@ -75,7 +75,7 @@ def test_the_hidden_packages_look_uninstalled(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 40 s: CI runs it in its own step (.ci/run), beside the default suite
 def test_dry_run_without_datasets_and_trl_reaches_every_measurement(tmp_path):
     """The GPU run's whole flow on the CPU, in the image's place: every step passes and gets to what it measures."""
     out = tmp_path / "summary.json"

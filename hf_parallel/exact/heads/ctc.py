@@ -83,14 +83,15 @@ class CTCHead(LossHead):
     The CTC loss of each utterance, from the logits and the `logit_lengths` the model passed to its loss function.
 
     Args:
-        blank (`int`): the blank token id (`config.pad_token_id`, as the models pass it).
+        blank (`int`): the blank token id when the model's loss call does not say it (`config.pad_token_id`, as most
+            models pass it; the one a model passes as `blank_token_id` wins).
         reduction (`str`): `config.ctc_loss_reduction`, `"mean"` or `"sum"`.
         zero_infinity (`bool`, *optional*): `config.ctc_zero_infinity`.
         name (`str`, *optional*): for messages.
     """
 
     route = Route.LABELS_IN_FORWARD
-    loss_call_arguments = ("logit_lengths",)
+    loss_call_arguments = ("logit_lengths", "blank_token_id")
 
     def __init__(self, blank: int, reduction: str, zero_infinity: bool = False, name: str | None = None):
         if reduction not in ("mean", "sum"):
@@ -120,7 +121,8 @@ class CTCHead(LossHead):
         return torch.tensor([target.shape[0]], device=target.device)
 
     def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = labels.get(LOSS_CALL_KEY, {}).get("logit_lengths")
+        call = labels.get(LOSS_CALL_KEY, {})
+        lengths = call.get("logit_lengths")
         if not torch.is_tensor(lengths):
             raise HeadMismatch(
                 f"{self.name}: the model did not pass logit_lengths to its loss_function, so the frames of each "
@@ -128,7 +130,9 @@ class CTCHead(LossHead):
             )
         logits = _logits(outputs)
         target = labels["labels"].to(logits.device)
-        items = target.ne(IGNORE_INDEX) & target.ne(self.blank)
+        # The blank the model passed (OmniASR's and Parakeet TDT's `blank_token_id`, not `pad_token_id`).
+        blank = int(call.get("blank_token_id", self.blank))
+        items = target.ne(IGNORE_INDEX) & target.ne(blank)
         target_lengths = items.sum(-1)
         log_probs = F.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
         with torch.backends.cudnn.flags(enabled=False):  # as the models: cuDNN's CTC takes other inputs
@@ -137,7 +141,7 @@ class CTCHead(LossHead):
                 target.masked_select(items),
                 lengths.to(logits.device),
                 target_lengths,
-                blank=self.blank,
+                blank=blank,
                 reduction="none",
                 zero_infinity=self.zero_infinity,
             )
@@ -154,9 +158,11 @@ def _ctc(name: str, model, labels, smoothing: float) -> LossHead:
     reduction = getattr(config, "ctc_loss_reduction", None)
     if reduction not in ("mean", "sum"):
         raise UnsupportedHead(f"{name} has ctc_loss_reduction={reduction!r}; hf_parallel knows 'mean' and 'sum'.")
+    # Most CTC models pass pad_token_id as the blank; OmniASR passes blank_token_id (recorded from the call).
     blank = getattr(config, "pad_token_id", None)
+    blank = blank if isinstance(blank, int) else getattr(config, "blank_token_id", None)
     if not isinstance(blank, int):
-        raise UnsupportedHead(f"{name} has no pad_token_id, which its CTC loss takes as the blank token.")
+        raise UnsupportedHead(f"{name} has neither a pad_token_id nor a blank_token_id for its CTC blank token.")
     return CTCHead(blank, reduction, getattr(config, "ctc_zero_infinity", False), name=f"ctc/{reduction}")
 
 

@@ -22,7 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import hf_parallel
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.fallback import sums_its_loss
-from hf_parallel.exact.heads.ctc import CTCHead, LossCallWatch
+from hf_parallel.exact.heads.ctc import LOSS_CALL_KEY, CTCHead, LossCallWatch
 from hf_parallel.exact.resolve import UnsupportedHead
 from tests.harness import (
     DDP2,
@@ -39,7 +39,7 @@ from tests.harness import (
     run_case,
     run_ddp_runs,
 )
-from tests.modalities import CASES, _segformer, _wav2vec2, ctc_rows
+from tests.modalities import CASES, _omniasr, _segformer, _wav2vec2, ctc_rows, omniasr_rows
 from tests.tiny import tiny
 
 TOL = 1e-5
@@ -50,6 +50,7 @@ STOCK_GA2 = {
     "vit_image_classification": 1.0,
     "wav2vec2_ctc_mean": 2.0,
     "wav2vec2_ctc_sum": 1.0,
+    "omniasr_ctc_sum": 1.0,
     "whisper_speech_seq2seq": 2.0,
     "segformer_segmentation": 2.0,
     "llava_vlm": 1.0,
@@ -181,6 +182,27 @@ def test_loss_call_watch_gives_the_model_its_loss_function_back():
     )
     assert model.loss_function is before
     assert "_loss_function" not in vars(model)
+
+
+def test_ctc_blank_is_the_one_the_model_passes():
+    """
+    OmniASR passes `blank_token_id` (0) to its loss, and its pad token (1) is a character: the head scores with the
+    blank of the call. With the pad token as the blank (what the head took before), the summed loss of these rows is
+    another: the control.
+    """
+    model = _omniasr(0)
+    batch = default_data_collator(omniasr_rows(5, 1))
+    head = resolve_head(model)
+    watch = LossCallWatch(model, head.loss_call_arguments)
+    own = model(**batch)
+    call = watch.take()
+    watch.remove()
+    assert call["blank_token_id"] == 0 and head.blank == 1
+    sums, _ = head.row_terms(own, {"labels": batch["labels"], LOSS_CALL_KEY: call})
+    assert sums.sum().item() == pytest.approx(own.loss.item(), rel=1e-6)
+    without = {key: value for key, value in call.items() if key != "blank_token_id"}
+    pad_as_blank, _ = head.row_terms(own, {"labels": batch["labels"], LOSS_CALL_KEY: without})
+    assert abs(pad_as_blank.sum().item() / own.loss.item() - 1) > 1e-2
 
 
 # ---- What stays on the stock loss, and why -------------------------------------------------------------------------
