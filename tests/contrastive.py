@@ -1,6 +1,7 @@
 """
-Tiny contrastive dual encoders (`CASES`): CLIP (a softmax over the batch, both ways) and SigLIP (a sigmoid per pair,
-with a bias), on random images and texts of uneven lengths. Their batches ask for the loss as the models' users do,
+Tiny contrastive dual encoders (`CASES`): CLIP (a softmax over the batch, both ways), SigLIP (a sigmoid per pair,
+with a bias) and VideoPrism (a sigmoid per pair of similarities normalised over the texts, no parameter), on random
+images (videos of 2 frames) and texts of uneven lengths. Their batches ask for the loss as the models' users do,
 `return_loss=True` (`collate`). Each row's loss depends on every other row of its batch, so a split batch is
 another loss: the x0.585 of the issue.
 """
@@ -18,6 +19,8 @@ from transformers import (
     SiglipModel,
     SiglipTextConfig,
     SiglipVisionConfig,
+    VideoPrismClipModel,
+    VideoPrismConfig,
 )
 from transformers.data.data_collator import default_data_collator
 
@@ -56,6 +59,35 @@ def _siglip(seed: int) -> nn.Module:
     return SiglipModel(config)
 
 
+def _videoprism(seed: int) -> nn.Module:
+    from transformers.models.videoprism.configuration_videoprism import VideoPrismTextConfig, VideoPrismVisionConfig
+
+    torch.manual_seed(seed)
+    vision = VideoPrismVisionConfig(
+        image_size=IMAGE,
+        num_frames=2,
+        tubelet_size=(1, 8, 8),
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_spatial_layers=1,
+        num_temporal_layers=1,
+        num_auxiliary_layers=1,
+    )
+    text = tiny(VideoPrismTextConfig, vocab_size=VOCAB, max_position_embeddings=TEXT, pad_token_id=0)
+    return VideoPrismClipModel(VideoPrismConfig(text_config=text.to_dict(), vision_config=vision.to_dict()))
+
+
+def videoprism_rows(n: int, seed: int) -> list[dict]:
+    """`clip_rows` with a video of 2 frames per row instead of an image."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    rows = clip_rows(n, seed)
+    for row in rows:
+        del row["pixel_values"]
+        row["pixel_values_videos"] = torch.randn(2, 3, IMAGE, IMAGE, generator=g)
+    return rows
+
+
 def clip_rows(n: int, seed: int) -> list[dict]:
     """An image and a text per row; texts of uneven lengths, padded and masked."""
     g = torch.Generator().manual_seed(seed)
@@ -84,5 +116,6 @@ CASES = {
     for case in (
         Case("clip_contrastive", _clip, clip_rows, collator=collate),
         Case("siglip_contrastive", _siglip, siglip_rows, collator=collate),
+        Case("videoprism_contrastive", _videoprism, videoprism_rows, collator=collate),
     )
 }

@@ -11,6 +11,7 @@ dropout equals one forward over the step drawn with the same random state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -96,6 +97,28 @@ def test_control_stock_under_gradient_accumulation(case):
     stock = run_case(CASES[case], GA2, stock=True, eval_rows=0)
     assert stock.loss / single(case).loss < 0.8
     assert max_relative_diff(stock.grads, single(case).grads) > 0.1
+
+
+def _with_temperature(features: list[dict]) -> dict:
+    return {**collate(features), "temperature": 0.5}
+
+
+def test_videoprism_with_a_temperature_argument_is_stock_warned():
+    """
+    VideoPrism scales its similarities by a `temperature` its batch may pass, which the step's loss does not read: the
+    check sees the model's loss differ from the one recomputed, falls back to the model's own loss, warned, and
+    trains exactly as stock does.
+    """
+    case = Case("videoprism_temperature", CASES["videoprism_contrastive"].build, CASES["videoprism_contrastive"].rows)
+    case = dataclasses.replace(case, collator=_with_temperature)
+    with record_hf_parallel_log() as log:
+        ours = run_case(case, GA2, eval_rows=0)
+    assert "VideoPrismClipModel's own contrastive loss" in log.text and "is not the videoprism loss" in log.text
+    stock = run_case(case, GA2, stock=True, eval_rows=0)
+    assert ours.loss == pytest.approx(stock.loss, rel=TOL)
+    assert max_relative_diff(ours.grads, stock.grads) < TOL
+    plain = run_case(CASES["videoprism_contrastive"], GA2, stock=True, eval_rows=0)
+    assert abs(stock.loss - plain.loss) > 1e-3  # the temperature changes the loss: the check had something to see
 
 
 def test_micro_batch_negatives_are_stocks_and_warned():

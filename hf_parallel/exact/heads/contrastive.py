@@ -52,13 +52,22 @@ def _clap(model: Any, text: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
     return (_cross_entropy(per_text) + _cross_entropy(per_audio.t())) / 2
 
 
+def _videoprism(model: Any, text: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
+    # As VideoPrismClipModel without a `temperature` argument (a batch that passes one is the check's to catch): each
+    # video's similarities exponentiated and normalised over the texts, then SigLIP's pairwise sigmoid terms on them.
+    similarity = (video @ text.t()).exp()
+    per_text = similarity.t() / similarity.t().sum(0, keepdim=True)
+    signs = 2 * torch.eye(per_text.shape[0], device=per_text.device) - 1
+    return -F.logsigmoid(signs * per_text).sum(-1).mean()
+
+
 @dataclass(frozen=True)
 class ContrastiveVariant:
     """
     How a contrastive model's loss is made from its two embeddings.
 
     Args:
-        name (`str`): "clip", "siglip", "align", "temperature" or "clap".
+        name (`str`): "clip", "siglip", "align", "temperature", "clap" or "videoprism".
         keys (`tuple[str, str]`): the output keys of the text embeddings and the other modality's.
         loss (`Callable`): `loss(model, text, other)`: the loss of the rows given, reading the model's own scale
             parameters (float32 embeddings).
@@ -82,6 +91,8 @@ def contrastive_variant(model: nn.Module, name: str) -> ContrastiveVariant | Non
 
     other = "audio_embeds" if "audio" in name.lower() or "clap" in name.lower() else "image_embeds"
     keys = ("text_embeds", other)
+    if name == "VideoPrismClipModel":  # its loss reads no parameter of the model
+        return ContrastiveVariant("videoprism", ("text_embeds", "video_embeds"), _videoprism, ())
     if has("logit_scale_t", "logit_scale_a"):
         return ContrastiveVariant("clap", ("text_embeds", "audio_embeds"), _clap, ("logit_scale_t", "logit_scale_a"))
     if has("logit_scale", "logit_bias"):
@@ -137,8 +148,8 @@ def _contrastive(name: str, model, labels, smoothing: float) -> LossHead:
     if variant is None:
         raise UnsupportedHead(
             f"{name}'s contrastive loss reads scale parameters hf_parallel does not know (it knows CLIP's "
-            "logit_scale, SigLIP's logit_scale and logit_bias, ALIGN's temperature and CLAP's two scales), so "
-            "each device keeps its own rows as negatives."
+            "logit_scale, SigLIP's logit_scale and logit_bias, ALIGN's temperature, CLAP's two scales and "
+            "VideoPrism's parameter-free loss), so each device keeps its own rows as negatives."
         )
     partitioned = [n for n in variant.parameters if hasattr(getattr(model, n), "ds_id")]
     if partitioned:
