@@ -51,8 +51,9 @@ SAMPLE = {
     "BertForQuestionAnswering": "exact",
 }
 # Beyond text, one or more classes per family (ours, stock): exact where stock averages its own loss (x2), a summed CTC
-# loss that stock gets right too, a vision-language LM whose loss honours the count, and the fallbacks with a reason
-# (an auxiliary head's loss the outputs do not carry, masked image modeling).
+# loss that stock gets right too, a vision-language LM whose loss honours the count, a segmentation model with an
+# auxiliary head (its logits recorded from the head), and the fallbacks with a reason (x-vectors, masked image
+# modeling).
 MEDIA_SAMPLE = {
     "ViTForImageClassification": ("exact", "exact"),
     "VideoMAEForVideoClassification": ("exact", "exact"),
@@ -64,7 +65,7 @@ MEDIA_SAMPLE = {
     "Speech2TextForConditionalGeneration": ("exact", "silent"),
     "LlavaForConditionalGeneration": ("exact", "exact"),
     "Qwen2VLForConditionalGeneration": ("exact", "exact"),
-    "DPTForSemanticSegmentation": ("fallback", "silent"),
+    "DPTForSemanticSegmentation": ("exact", "silent"),  # with its auxiliary head's loss
     "ViTForMaskedImageModeling": ("fallback", "silent"),
 }
 ZOO = {model.name: model for model in zoo_models([*HEAD_KINDS])}  # each class under its own kind

@@ -161,16 +161,18 @@ def model_labels(labels: dict) -> dict:
 @contextlib.contextmanager
 def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable = _as_is):
     """Around a forward of `head`: a `LossCallWatch` on `model` (taken out of its wrappers by `unwrap`, only then)
-    where the head needs the arguments of the model's own loss call; yields the watch, or None."""
+    where the head needs the arguments of the model's own loss call or the outputs of its submodules; yields the
+    watch, or None."""
     names = getattr(head, "loss_call_arguments", ())
-    if not names or head.route is Route.USER_LOSS:
+    modules = getattr(head, "captured_outputs", ())
+    if not (names or modules) or head.route is Route.USER_LOSS:
         yield None
         return
     model = unwrap(model)
     if not hasattr(model, "loss_function"):
         yield None
         return
-    watch = LossCallWatch(model, names)
+    watch = LossCallWatch(model, names, modules)
     try:
         yield watch
     finally:

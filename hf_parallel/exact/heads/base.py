@@ -118,6 +118,9 @@ class LossHead:
     #: The arguments of the model's own `loss_function` call the head needs (e.g. CTC's `logit_lengths`): the labels
     #: then stay in the forward, and `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`.
     loss_call_arguments: tuple[str, ...] = ()
+    #: Submodules of the model whose outputs the head needs and the model's outputs do not carry (a segmentation
+    #: model's `auxiliary_head`): `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`, by name.
+    captured_outputs: tuple[str, ...] = ()
     #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
     #: exact over the whole batch by `hf_parallel.exact.heads.router`; None for a model without one.
     router = None

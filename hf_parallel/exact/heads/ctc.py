@@ -51,9 +51,11 @@ class LossCallWatch:
     Args:
         model (`nn.Module`): the transformers model, out of DataParallel/DDP wrappers.
         names (`tuple[str, ...]`): the keyword arguments to record.
+        modules (`tuple[str, ...]`, *optional*): submodules of the model (attribute names) whose outputs to record
+            under their names, as their forwards run (a segmentation model's `auxiliary_head`).
     """
 
-    def __init__(self, model: nn.Module, names: tuple[str, ...]):
+    def __init__(self, model: nn.Module, names: tuple[str, ...], modules: tuple[str, ...] = ()):
         self.model, self.names = model, tuple(names)
         self._seen = threading.local()
         self._had_own = "_loss_function" in vars(model)
@@ -61,17 +63,36 @@ class LossCallWatch:
         original = model.loss_function
 
         def recording(*args, **kwargs):
-            self._seen.arguments = {name: kwargs[name] for name in self.names if name in kwargs}
+            self._arguments().update({name: kwargs[name] for name in self.names if name in kwargs})
             return original(*args, **kwargs)
 
         model.loss_function = recording  # transformers' setter: an instance attribute, which replicas copy
+        # A replica shares its module's forward hooks (replication copies the module's __dict__): per thread too.
+        self._hooks = [
+            getattr(model, name).register_forward_hook(self._recorder(name))
+            for name in modules
+            if isinstance(getattr(model, name, None), nn.Module)
+        ]
+
+    def _arguments(self) -> dict:
+        if not hasattr(self._seen, "arguments"):
+            self._seen.arguments = {}
+        return self._seen.arguments
+
+    def _recorder(self, name: str):
+        def record(module, args, output):
+            self._arguments()[name] = output
+
+        return record
 
     def take(self) -> dict:
         """What this thread's forward passed (empty when it did not call its `loss_function`). Forgets it."""
         return vars(self._seen).pop("arguments", {})
 
     def remove(self) -> None:
-        """Give the model its own `loss_function` back."""
+        """Give the model its own `loss_function` back, and remove the hooks on its submodules."""
+        for hook in self._hooks:
+            hook.remove()
         if self._had_own:
             self.model._loss_function = self._own
         else:
