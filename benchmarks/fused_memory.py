@@ -1,7 +1,8 @@
 """
 Peak memory of training a causal LM whose forward fuses the loss with the LM head (Liger's fused linear
 cross-entropy, `use_liger_kernel=True`), `hf_parallel.Trainer` against stock `transformers.Trainer`, printed as
-ratios; the same for the plain (unpatched) LM as a control.
+ratios; the same for the plain (unpatched) LM as a control, and for a Mixtral-shaped MoE LM with its router loss on
+(`moe`: its head recomputes the cross-entropy from the logits).
 
     python -m benchmarks.fused_memory                       # default sizes, 3 rounds: about 7 minutes on 2 cores
     python -m benchmarks.fused_memory --quick               # tiny sizes, 1 round, 1 step
@@ -44,14 +45,14 @@ import warnings
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from benchmarks.overhead import MALLOC_ENV, REPO_ROOT, _peak, _reset_peak, _sides
 from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.launch.validation import check_whole_number
 from tests.fused import fuse_loss
 
-WORKLOADS = ("fused", "plain")
+WORKLOADS = ("fused", "plain", "moe")
 SIDE_CLASSES = {
     "stock": (transformers.Trainer, transformers.TrainingArguments),
     "hf_parallel": (Trainer, TrainingArguments),
@@ -73,8 +74,25 @@ class Sizes:
 QUICK = Sizes(vocab=4096, seq=32, hidden=32, layers=1, rows=4, grad_accum=2, chunk=16)
 
 
-def build_model(sizes: Sizes) -> LlamaForCausalLM:
+def build_model(sizes: Sizes, workload: str = "plain") -> torch.nn.Module:
     torch.manual_seed(0)
+    if workload == "moe":
+        # Mixtral-shaped: 4 experts, top 2, its router loss on (the MoE head recomputes the cross-entropy).
+        config = MixtralConfig(
+            vocab_size=sizes.vocab,
+            hidden_size=sizes.hidden,
+            intermediate_size=2 * sizes.hidden,
+            num_hidden_layers=sizes.layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            max_position_embeddings=sizes.seq,
+            use_cache=False,
+        )
+        return MixtralForCausalLM(config)
     config = LlamaConfig(
         vocab_size=sizes.vocab,
         hidden_size=sizes.hidden,
@@ -107,7 +125,7 @@ class Rows(torch.utils.data.Dataset):
 
 def run_once(side: str, workload: str, sizes: Sizes, steps: int, liger: bool = False) -> dict:
     """One training run: its peak memory in bytes and, for the stand-in, which forwards built the full logits."""
-    model = build_model(sizes)
+    model = build_model(sizes, workload)
     record = fuse_loss(model, chunk_size=sizes.chunk) if workload == "fused" and not liger else None
     trainer_cls, args_cls = SIDE_CLASSES[side]
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,14 +182,16 @@ def _in_process(side: str, workload: str, sizes: Sizes, steps: int, liger: bool)
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def measure(sizes: Sizes, rounds: int, steps: int, liger: bool = False, fresh: bool = True) -> dict:
+def measure(
+    sizes: Sizes, rounds: int, steps: int, liger: bool = False, fresh: bool = True, workloads=WORKLOADS
+) -> dict:
     """
     For each workload and side: the median peak (MiB) over `rounds` runs, the forwards of the last run, and the error
     of a side that failed (its peak then None; it is not run again). `fresh=False` runs everything in this process:
     quicker, but its CPU peaks depend on what ran before.
     """
     results = {}
-    for workload in WORKLOADS:
+    for workload in workloads:
         peaks, seconds = {side: [] for side in SIDES}, {side: [] for side in SIDES}
         forwards, errors = {side: None for side in SIDES}, {}
         for r in range(rounds):
@@ -240,6 +260,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk of the fused stand-in")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round of 1 step (a smoke run)")
     parser.add_argument("--liger", action="store_true", help="use_liger_kernel=True instead of the stand-in (GPU)")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which to run (default: all)"
+    )
     # Internal: the body of one fresh run (SPEC a JSON of side, workload, sizes, steps; OUT the result's file).
     parser.add_argument("--run", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -277,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"chunk={sizes.chunk} rows; {options.steps} steps, median of {options.rounds} rounds; "
         f"{'use_liger_kernel=True' if options.liger else 'fused stand-in (tests.fused)'}"
     )
-    results = measure(sizes, options.rounds, options.steps, options.liger)
+    results = measure(sizes, options.rounds, options.steps, options.liger, workloads=options.workloads)
     print("\n".join(table(results)))
     return results
 

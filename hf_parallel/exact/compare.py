@@ -42,6 +42,7 @@ __all__ = [
     "compared_head",
     "fused_outputs",
     "model_loss",
+    "model_router_term",
     "probe_count",
     "replica_check",
     "takes_gradient_from_loss",
@@ -180,6 +181,17 @@ def model_loss(outputs) -> torch.Tensor | None:
     return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
+def model_router_term(head: LossHead, outputs) -> torch.Tensor | None:
+    """
+    The router term a MoE model added to its own loss, with its graph: `router_aux_loss_coef x outputs.aux_loss`
+    (Mixtral, Qwen-MoE, OLMoE and the others that return it), or None (no router head, or no `aux_loss` returned).
+    """
+    if head.router is None or not isinstance(outputs, dict):
+        return None
+    aux = outputs.get("aux_loss")
+    return head.router.coef * aux if torch.is_tensor(aux) and aux.numel() == 1 and aux.requires_grad else None
+
+
 def fused_outputs(outputs) -> bool:
     """Whether a forward's outputs hold no logits (a loss fused with the LM head, Liger's), only its loss."""
     return isinstance(outputs, dict) and not torch.is_tensor(outputs.get("logits"))
@@ -202,7 +214,9 @@ def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
         and loss.requires_grad
         and loss.dtype in (torch.float32, torch.float64)
         and head.num_terms == 1
-        and head.router is None  # the model's loss adds a router term: not a multiple of the head's sum
+        # A MoE model's loss adds its router term of these rows: taken back out where the outputs carry it (the
+        # exact router term is added apart, `router_terms`).
+        and (head.router is None or model_router_term(head, outputs) is not None)
         and compared_head(head) is head
     )
 
@@ -264,7 +278,11 @@ def replica_check(
         candidates, terms_of, loss, count, has_logits, divisors, mismatched, router, device
     )
     # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
-    graph_sums = _graph_sums(terms, loss, divisors, _graph_zero(outputs)) if gradient_from_loss else None
+    graph_sums = None
+    if gradient_from_loss:
+        own_router = model_router_term(candidates[0], outputs)
+        cross_entropy = loss if own_router is None else loss - own_router  # a MoE model's: its router term out
+        graph_sums = _graph_sums(terms, cross_entropy, divisors, _graph_zero(outputs))
     unknown = torch.full((1, 1), float("nan"), device=device)
     return ReplicaCheck(
         fits=fits,

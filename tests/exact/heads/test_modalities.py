@@ -184,6 +184,7 @@ def test_loss_call_watch_gives_the_model_its_loss_function_back():
     assert "_loss_function" not in vars(model)
 
 
+@pytest.mark.skipif(not hasattr(transformers, "OmniASRForCTC"), reason="OmniASR came in a later transformers")
 def test_ctc_blank_is_the_one_the_model_passes():
     """
     OmniASR passes `blank_token_id` (0) to its loss, and its pad token (1) is a character: the head scores with the
