@@ -17,7 +17,7 @@ from benchmarks import fused_memory
 def test_quick_sizes_run_both_trainers_and_the_table_shows_the_logits_record():
     sizes = dataclasses.replace(fused_memory.QUICK, seq=16, vocab=1024)
     results = fused_memory.measure(sizes, rounds=1, steps=1, fresh=False)
-    assert set(results) == {"fused", "plain"}
+    assert set(results) == {"fused", "plain", "moe"}
     for workload, result in results.items():
         assert result["errors"] == {}, workload
         assert set(result["peak_mib"]) == {"stock", "hf_parallel"}, workload
@@ -28,15 +28,17 @@ def test_quick_sizes_run_both_trainers_and_the_table_shows_the_logits_record():
     assert fused["stock"] == {"fused": sizes.grad_accum, "logits": 0}
     assert sum(fused["hf_parallel"].values()) >= sizes.grad_accum
     assert results["plain"]["forwards"] == {"stock": None, "hf_parallel": None}
+    assert results["moe"]["forwards"] == {"stock": None, "hf_parallel": None}
 
     lines = fused_memory.table(results)
     cells = [[cell.strip() for cell in line.split("|")] for line in lines]
     header = ["workload", "stock MiB", "hf_parallel MiB", "ratio", "time ratio", "full logits built: stock"]
     assert cells[0] == [*header, "hf_parallel"]
-    assert [row[0] for row in cells[1:]] == ["fused", "plain"]
+    assert [row[0] for row in cells[1:]] == ["fused", "plain", "moe"]
     assert float(cells[1][4]) > 0  # hf_parallel's seconds over stock's
     assert cells[1][5] == "no (0 of 2 forwards)"
     assert cells[2][5:] == ["always", "always"]
+    assert cells[3][5:] == ["always", "always"]
 
 
 def test_a_failed_side_is_shown_in_the_table_not_as_a_figure():
@@ -55,6 +57,8 @@ def test_a_failed_side_is_shown_in_the_table_not_as_a_figure():
 def test_options_quick_defaults_and_liger_needs_liger_kernel(capsys):
     options = fused_memory._parse(["--quick"])
     assert (options.rounds, options.steps, options.sizes) == (1, 1, fused_memory.QUICK)
+    assert options.workloads == ["fused", "plain", "moe"]
+    assert fused_memory._parse(["--workloads", "moe"]).workloads == ["moe"]
     options = fused_memory._parse(["--rounds", "2", "--steps", "4", "--chunk-size", "8"])
     assert (options.rounds, options.steps, options.sizes.chunk, options.sizes.vocab) == (2, 4, 8, 128256)
     with pytest.raises(SystemExit):

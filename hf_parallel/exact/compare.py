@@ -182,10 +182,7 @@ def model_loss(outputs) -> torch.Tensor | None:
 
 
 def model_router_term(head: LossHead, outputs) -> torch.Tensor | None:
-    """
-    The router term a MoE model added to its own loss, with its graph: `router_aux_loss_coef x outputs.aux_loss`
-    (Mixtral, Qwen-MoE, OLMoE and the others that return it), or None (no router head, or no `aux_loss` returned).
-    """
+    """A MoE model's router term in its own loss, with its graph (`coef x outputs.aux_loss`), or None without one."""
     if head.router is None or not isinstance(outputs, dict):
         return None
     aux = outputs.get("aux_loss")
