@@ -500,7 +500,7 @@ def _printed(output: str) -> tuple[list[float], float]:
     return losses, float(evals[0])
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 20 s: CI runs it in its own step (.ci/run), beside the default suite
 def test_example_runs_exact_under_every_launcher(tmp_path):
     """One process (batch 8) == `accelerate launch` 2 x 4 == `torchrun` 2 x GA 2 x 2; `--stock` (GA 2 x 4) differs."""
     env = repo_env(OMP_NUM_THREADS="1", **NO_GPUS)

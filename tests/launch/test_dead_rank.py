@@ -48,7 +48,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 14 s: CI runs it in its own step (.ci/run), beside the default suite
 def test_a_dead_rank_ends_the_job_and_a_relaunch_resumes_exactly(tmp_path):
     out = tmp_path / "run"
     kill = ["--kill-at-step", "4", "--kill-rank", "1"]
@@ -68,7 +68,7 @@ def test_a_dead_rank_ends_the_job_and_a_relaunch_resumes_exactly(tmp_path):
     assert max((relaunched[n] - reference[n]).abs().max().item() for n in reference) < 1e-6
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 15 s: CI runs it in its own step (.ci/run), beside the default suite
 def test_two_machines_on_one_host_write_one_complete_checkpoint_that_resumes_exactly(tmp_path):
     out = tmp_path / "run"
     port = str(_free_port())
