@@ -76,24 +76,7 @@ QUICK = Sizes(vocab=4096, seq=32, hidden=32, layers=1, rows=4, grad_accum=2, chu
 
 def build_model(sizes: Sizes, workload: str = "plain") -> torch.nn.Module:
     torch.manual_seed(0)
-    if workload == "moe":
-        # Mixtral-shaped: 4 experts, top 2, its router loss on (the MoE head recomputes the cross-entropy).
-        config = MixtralConfig(
-            vocab_size=sizes.vocab,
-            hidden_size=sizes.hidden,
-            intermediate_size=2 * sizes.hidden,
-            num_hidden_layers=sizes.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=True,
-            router_aux_loss_coef=0.02,
-            max_position_embeddings=sizes.seq,
-            use_cache=False,
-        )
-        return MixtralForCausalLM(config)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=sizes.vocab,
         hidden_size=sizes.hidden,
         intermediate_size=2 * sizes.hidden,
@@ -103,7 +86,13 @@ def build_model(sizes: Sizes, workload: str = "plain") -> torch.nn.Module:
         max_position_embeddings=sizes.seq,
         use_cache=False,
     )
-    return LlamaForCausalLM(config)
+    if workload == "moe":
+        # Mixtral-shaped: 4 experts, top 2, its router loss on (the MoE head recomputes the cross-entropy).
+        config = MixtralConfig(
+            **shape, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02
+        )
+        return MixtralForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**shape))
 
 
 class Rows(torch.utils.data.Dataset):

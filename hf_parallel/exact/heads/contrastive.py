@@ -33,6 +33,11 @@ def _clip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def _siglip(model: Any, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     logits = (text @ other.t()) * model.logit_scale.float().exp() + model.logit_bias.float()
+    return _pairwise_sigmoid(logits)
+
+
+def _pairwise_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """SigLIP's loss on square logits: a sigmoid per pair, the diagonal the positives, summed per row, averaged."""
     signs = 2 * torch.eye(logits.shape[0], device=logits.device) - 1
     return -F.logsigmoid(signs * logits).sum(-1).mean()
 
@@ -56,9 +61,7 @@ def _videoprism(model: Any, text: torch.Tensor, video: torch.Tensor) -> torch.Te
     # As VideoPrismClipModel without a `temperature` argument (a batch that passes one is the check's to catch): each
     # video's similarities exponentiated and normalised over the texts, then SigLIP's pairwise sigmoid terms on them.
     similarity = (video @ text.t()).exp()
-    per_text = similarity.t() / similarity.t().sum(0, keepdim=True)
-    signs = 2 * torch.eye(per_text.shape[0], device=per_text.device) - 1
-    return -F.logsigmoid(signs * per_text).sum(-1).mean()
+    return _pairwise_sigmoid(similarity.t() / similarity.t().sum(0, keepdim=True))
 
 
 @dataclass(frozen=True)

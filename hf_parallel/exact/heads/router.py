@@ -132,8 +132,8 @@ class RouterBalance:
         parameters = inspect.signature(getattr(forward, "forward", forward)).parameters
         extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         total = torch.zeros(self.experts + 1, dtype=torch.float64)
+        left_out = {*label_keys, "shift_labels", real_rows_key}
         for batch in batches:
-            left_out = {*label_keys, "shift_labels", real_rows_key}
             inputs = {key: value for key, value in batch.items() if key not in left_out}
             with torch.no_grad():
                 outputs = forward(**inputs, **extra)
