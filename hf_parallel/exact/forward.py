@@ -43,7 +43,7 @@ from .compare import (
 )
 from .coupled import contrastive_loss
 from .heads import HeadMismatch, LossHead, Route
-from .heads.ctc import LOSS_CALL_KEY, LossCallWatch
+from .heads.base import LOSS_CALL_KEY, LossCallWatch
 from .replicas import (
     Reporting,
     gathers_as_torch,
@@ -136,7 +136,8 @@ def micro_batch_loss(
     run.keep = return_outputs and (exact.outputs_wanted or not data_parallel)
     run.drop_cache = data_parallel
     # Which decoder inputs the model builds itself; what it passes to its own loss function (CTC's logit lengths).
-    with exact.watching_decoder(check, model, inputs), watching_loss_call(head, model, exact.unwrap) as loss_call:
+    watching_call = watching_loss_call(head, model, exact.unwrap, checked=check is not None)
+    with exact.watching_decoder(check, model, inputs), watching_call as loss_call:
         run.loss_call = loss_call
         if not data_parallel:
             terms, outputs = run(model, inputs, labels)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .compare import ReplicaCheck
 from .heads import CrossEntropyHead, LossHead, Route
-from .heads.ctc import LOSS_CALL_KEY, LossCallWatch
+from .heads.base import LOSS_CALL_KEY, LossCallWatch
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
 
@@ -154,15 +154,20 @@ def split_labels(
 
 def model_labels(labels: dict) -> dict:
     """The labels as the model takes them: without the padding mark of an epoch's last step, nor what a forward's
-    `LossCallWatch` recorded."""
-    return {key: value for key, value in labels.items() if key not in (REAL_ROWS_KEY, LOSS_CALL_KEY)}
+    `LossCallWatch` recorded; labels a head packed by row (detection's `BoxTargets`) in the model's own form."""
+    return {
+        key: value.for_model() if callable(getattr(value, "for_model", None)) else value
+        for key, value in labels.items()
+        if key not in (REAL_ROWS_KEY, LOSS_CALL_KEY)
+    }
 
 
 @contextlib.contextmanager
-def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable = _as_is):
+def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable = _as_is, checked: bool = True):
     """Around a forward of `head`: a `LossCallWatch` on `model` (taken out of its wrappers by `unwrap`, only then)
     where the head needs the arguments of the model's own loss call or the outputs of its submodules; yields the
-    watch, or None."""
+    watch, or None. Outside a `checked` forward, a head with a `stand_in_loss` (`LossHead`) spares the model its own
+    loss; in a checked one the model's loss runs within the head's `own_loss_context`."""
     names = getattr(head, "loss_call_arguments", ())
     modules = getattr(head, "captured_outputs", ())
     if not (names or modules) or head.route is Route.USER_LOSS:
@@ -172,7 +177,8 @@ def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable
     if not hasattr(model, "loss_function"):
         yield None
         return
-    watch = LossCallWatch(model, names, modules)
+    instead = None if checked else head.stand_in_loss
+    watch = LossCallWatch(model, names, modules, instead, head.own_loss_context if checked else None)
     try:
         yield watch
     finally:
@@ -207,7 +213,7 @@ def forward_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sampl
     `total` items. Per-sample tensors, so that replicas' terms concatenate.
     """
     if loss_func is not None:
-        loss = loss_func(outputs, labels["labels"], num_items_in_batch=total)
+        loss = loss_func(outputs, model_labels(labels)["labels"], num_items_in_batch=total)
         # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
         return Terms(user_loss=loss.reshape(1) if loss.dim() == 0 else loss)
     return Terms(*sample_terms(head, outputs, labels, inputs, per_sample))

@@ -19,8 +19,9 @@ The head families: how each kind of model head turns its outputs and labels into
 | `segmentation` | `SegmentationHead` | semantic segmentation |
 | `frames` | `FrameClassificationHead` | audio frame classification |
 | `contrastive` | `ContrastiveHead` | contrastive dual encoders |
+| `detection` | `DetectionHead` | DETR-style object detection |
 | `router` | `RouterBalance` | (the MoE load-balancing term added to an LM head) |
-| `unsupported` | | losses that are not a sum over items (detection, depth, ...) |
+| `unsupported` | | losses that are not a sum over items (depth, mask matching, ...) |
 
 A new family is one new module here and one entry in `HEAD_FAMILIES`. `hf_parallel.exact.resolve_head` reads the
 registry; the machinery of `hf_parallel.exact` never names a family's classes.
@@ -52,6 +53,7 @@ from .classification import (
 from .contrastive import CONTRASTIVE
 from .ctc import CTC
 from .decoder import MULTIMODAL_LM, SEQ2SEQ_DECODER_LM, SEQ2SEQ_LM
+from .detection import OBJECT_DETECTION
 from .frames import AUDIO_FRAME_CLASSIFICATION
 from .segmentation import SEMANTIC_SEGMENTATION
 from .tokens import CAUSAL_LM, MASKED_LM, TOKEN_CLASSIFICATION, CrossEntropyHead, token_losses
@@ -94,5 +96,6 @@ HEAD_FAMILIES: tuple[HeadFamily, ...] = (
     MULTIMODAL_LM,
     CONTRASTIVE,
     SEQ2SEQ_DECODER_LM,
+    OBJECT_DETECTION,
     *NOT_A_SUM_FAMILIES,
 )

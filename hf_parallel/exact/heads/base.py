@@ -7,20 +7,27 @@ Every family module of this package builds on these alone; nothing here knows a 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
+import functools
+import inspect
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from transformers.models.auto import modeling_auto
 
 __all__ = [
     "IGNORE_INDEX",
+    "LOSS_CALL_KEY",
     "NO_GRAD_CHUNK_ELEMENTS",
     "REAL_ROWS_KEY",
     "HeadFamily",
     "HeadMismatch",
+    "LossCallWatch",
     "LossHead",
     "ProblemTypeUnsettled",
     "Route",
@@ -35,6 +42,103 @@ IGNORE_INDEX = -100
 REAL_ROWS_KEY = "hf_parallel_real_rows"
 #: Logits entries per chunk of a per-position loss computed without autograd (64 MiB of float32).
 NO_GRAD_CHUNK_ELEMENTS = 2**24
+
+#: The labels key under which a forward's `LossCallWatch` leaves the arguments of the model's loss call.
+LOSS_CALL_KEY = "hf_parallel_loss_call"
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(function: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def call_arguments(function: Callable, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call of `function` by parameter name, positional ones included (as given, no defaults)."""
+    signature = _signature(function)
+    if signature is None:
+        return dict(kwargs)
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return dict(kwargs)
+    extra = bound.pop(next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
+    return {**bound, **extra}
+
+
+class LossCallWatch:
+    """
+    The arguments `model` passes to its own `loss_function` in a forward (by parameter name, positional ones too),
+    recorded by a stand-in `loss_function` until `remove`. Per thread: each DataParallel replica (a copy of the model's
+    attributes, this stand-in included) runs in its own thread and records there.
+
+    The stand-in calls the model's own loss function, within `around()` where given; or, with `instead`, returns
+    `instead(arguments)` without calling it (a loss the head computes anyway, and that would cost as much again).
+
+    Args:
+        model (`nn.Module`): the transformers model, out of DataParallel/DDP wrappers.
+        names (`tuple[str, ...]`): the arguments to record.
+        modules (`tuple[str, ...]`, *optional*): submodules of the model (attribute names) whose outputs to record
+            under their names, as their forwards run (a segmentation model's `auxiliary_head`).
+        instead (`Callable`, *optional*): what the loss call returns, from its arguments, in place of the model's loss.
+        around (`Callable`, *optional*): a context manager factory the model's own loss runs within.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: tuple[str, ...],
+        modules: tuple[str, ...] = (),
+        instead: Callable[[dict], object] | None = None,
+        around: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        self.model, self.names = model, tuple(names)
+        self._seen = threading.local()
+        self._had_own = "_loss_function" in vars(model)
+        self._own = vars(model).get("_loss_function")
+        original = model.loss_function
+
+        def recording(*args, **kwargs):
+            arguments = call_arguments(original, args, kwargs)
+            self._arguments().update({name: arguments[name] for name in self.names if name in arguments})
+            if instead is not None:
+                return instead(arguments)
+            with around() if around is not None else contextlib.nullcontext():
+                return original(*args, **kwargs)
+
+        model.loss_function = recording  # transformers' setter: an instance attribute, which replicas copy
+        # A replica shares its module's forward hooks (replication copies the module's __dict__): per thread too.
+        self._hooks = [
+            getattr(model, name).register_forward_hook(self._recorder(name))
+            for name in modules
+            if isinstance(getattr(model, name, None), nn.Module)
+        ]
+
+    def _arguments(self) -> dict:
+        if not hasattr(self._seen, "arguments"):
+            self._seen.arguments = {}
+        return self._seen.arguments
+
+    def _recorder(self, name: str):
+        def record(module, args, output):
+            self._arguments()[name] = output
+
+        return record
+
+    def take(self) -> dict:
+        """What this thread's forward passed (empty when it did not call its `loss_function`). Forgets it."""
+        return vars(self._seen).pop("arguments", {})
+
+    def remove(self) -> None:
+        """Give the model its own `loss_function` back, and remove the hooks on its submodules."""
+        for hook in self._hooks:
+            hook.remove()
+        if self._had_own:
+            self.model._loss_function = self._own
+        else:
+            vars(self.model).pop("_loss_function", None)
 
 
 class HeadMismatch(ValueError):
@@ -121,6 +225,13 @@ class LossHead:
     #: Submodules of the model whose outputs the head needs and the model's outputs do not carry (a segmentation
     #: model's `auxiliary_head`): `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`, by name.
     captured_outputs: tuple[str, ...] = ()
+    #: What the model's `loss_function` call returns, from its arguments, in a forward whose loss is not checked, in
+    #: place of the model's own loss (which the head recomputes: a detection model's matching would run twice); None
+    #: to let the model compute it. Used with `loss_call_arguments` only.
+    stand_in_loss: Callable[[dict], object] | None = None
+    #: A context manager factory the model's own loss runs within in a checked forward (a detection model's: its box
+    #: count kept to its own rows); None for none.
+    own_loss_context: Callable[[], contextlib.AbstractContextManager] | None = None
     #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
     #: exact over the whole batch by `hf_parallel.exact.heads.router`; None for a model without one.
     router = None

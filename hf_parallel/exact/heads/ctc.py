@@ -16,7 +16,8 @@ The two reductions:
   size, which DDP's averaging takes back.
 
 ```python
-from hf_parallel.exact.heads.ctc import CTCHead, LossCallWatch
+from hf_parallel.exact.heads.base import LOSS_CALL_KEY, LossCallWatch
+from hf_parallel.exact.heads.ctc import CTCHead
 
 head = CTCHead(blank=model.config.pad_token_id, reduction=model.config.ctc_loss_reduction)
 watch = LossCallWatch(model, head.loss_call_arguments)
@@ -28,75 +29,22 @@ watch.remove()
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .base import IGNORE_INDEX, HeadFamily, HeadMismatch, LossHead, Route, UnsupportedHead, _logits, class_names
+from .base import (
+    IGNORE_INDEX,
+    LOSS_CALL_KEY,
+    HeadFamily,
+    HeadMismatch,
+    LossHead,
+    Route,
+    UnsupportedHead,
+    _logits,
+    class_names,
+)
 
-__all__ = ["CTC", "LOSS_CALL_KEY", "CTCHead", "LossCallWatch"]
-
-#: The labels key under which a forward's `LossCallWatch` leaves the arguments of the model's loss call.
-LOSS_CALL_KEY = "hf_parallel_loss_call"
-
-
-class LossCallWatch:
-    """
-    The arguments `model` passes to its own `loss_function` in a forward, recorded by a stand-in `loss_function` that
-    calls the model's own, until `remove`. Per thread: each DataParallel replica (a copy of the model's attributes,
-    this stand-in included) runs in its own thread and records there.
-
-    Args:
-        model (`nn.Module`): the transformers model, out of DataParallel/DDP wrappers.
-        names (`tuple[str, ...]`): the keyword arguments to record.
-        modules (`tuple[str, ...]`, *optional*): submodules of the model (attribute names) whose outputs to record
-            under their names, as their forwards run (a segmentation model's `auxiliary_head`).
-    """
-
-    def __init__(self, model: nn.Module, names: tuple[str, ...], modules: tuple[str, ...] = ()):
-        self.model, self.names = model, tuple(names)
-        self._seen = threading.local()
-        self._had_own = "_loss_function" in vars(model)
-        self._own = vars(model).get("_loss_function")
-        original = model.loss_function
-
-        def recording(*args, **kwargs):
-            self._arguments().update({name: kwargs[name] for name in self.names if name in kwargs})
-            return original(*args, **kwargs)
-
-        model.loss_function = recording  # transformers' setter: an instance attribute, which replicas copy
-        # A replica shares its module's forward hooks (replication copies the module's __dict__): per thread too.
-        self._hooks = [
-            getattr(model, name).register_forward_hook(self._recorder(name))
-            for name in modules
-            if isinstance(getattr(model, name, None), nn.Module)
-        ]
-
-    def _arguments(self) -> dict:
-        if not hasattr(self._seen, "arguments"):
-            self._seen.arguments = {}
-        return self._seen.arguments
-
-    def _recorder(self, name: str):
-        def record(module, args, output):
-            self._arguments()[name] = output
-
-        return record
-
-    def take(self) -> dict:
-        """What this thread's forward passed (empty when it did not call its `loss_function`). Forgets it."""
-        return vars(self._seen).pop("arguments", {})
-
-    def remove(self) -> None:
-        """Give the model its own `loss_function` back, and remove the hooks on its submodules."""
-        for hook in self._hooks:
-            hook.remove()
-        if self._had_own:
-            self.model._loss_function = self._own
-        else:
-            vars(self.model).pop("_loss_function", None)
+__all__ = ["CTC", "CTCHead"]
 
 
 class CTCHead(LossHead):

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
-from .ctc import LOSS_CALL_KEY
+from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
 
 __all__ = ["SEMANTIC_SEGMENTATION", "SegmentationHead"]
 

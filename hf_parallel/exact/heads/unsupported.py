@@ -13,10 +13,6 @@ __all__ = ["NOT_A_SUM", "NOT_A_SUM_FAMILIES"]
 
 # Losses that are not a sum over items, by mapping: why each stays on the stock loss.
 NOT_A_SUM = {
-    "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES": "matches predictions to boxes over the whole batch (Hungarian "
-    "matching); note that under DDP transformers divides its box terms by the ranks' mean box count over the world "
-    "size again (DETR-style losses), so those terms come out x world size, which hf_parallel cannot take out of the "
-    "summed loss",
     "MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES": "matches predictions to boxes over the whole batch",
     "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES": "matches predicted masks to the labels' masks over the batch",
     "MODEL_FOR_INSTANCE_SEGMENTATION_MAPPING_NAMES": "matches predicted masks to the labels' masks over the batch",

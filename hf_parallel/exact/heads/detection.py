@@ -1,0 +1,352 @@
+"""
+DETR-style object detection (`DetrForObjectDetection`, Table Transformer, YOLOS; Deformable, Conditional and DAB-DETR):
+per-image loss terms once each image's predictions are matched to its boxes.
+
+transformers matches the queries of each image to that image's boxes alone (a Hungarian assignment per image, on a
+cost that is elementwise per query and box), so the matching of an image does not depend on the rest of its batch.
+Once matched, every term is a sum over the batch's images with its own denominator:
+
+- the box terms: `bbox_loss_coefficient` x L1 + `giou_loss_coefficient` x (1 - GIoU) over the matched pairs, divided
+  by the batch's box count (at least 1);
+- the class term: for `ForObjectDetectionLoss` (DETR, Table Transformer, YOLOS) a cross-entropy over every query,
+  weighted 1 for a class and `eos_coefficient` for "no object", divided by the sum of those weights (the items are
+  weights, not whole numbers); for `DeformableDetrForObjectDetectionLoss` (Deformable, Conditional, DAB-DETR) a sigmoid
+  focal loss over every query and class, divided by the box count;
+- with `config.auxiliary_loss`, each earlier decoder layer's predictions are matched and add the same terms.
+
+So a step's loss is exact as sums over its images and rows over the whole step's counts: the counts of a batch come
+from its labels alone (boxes, and per image min(boxes, queries) + eos x the unmatched queries).
+
+The earlier layers' predictions are only built when the model gets its labels: they stay in the forward, and the head
+records them from the model's loss call (`LossCallWatch`); outside a checked forward the model's own loss is not run
+(`stand_in_loss`: its matching would run twice). Under DDP the model divides its box terms by the ranks' mean box
+count over the world size again (accelerate's `reduce`: x world size); in the checked forward the model's loss is
+computed on its own rows (`own_loss_context`), as one device computes it.
+
+The labels (a list of one dict per image, `class_labels` and `boxes`) travel packed (`BoxTargets`, padded tensors with
+the images as rows), so that DataParallel splits them with the images and the padding rows of an epoch's last step are
+dropped like any other row; the model gets its list back.
+
+```python
+from hf_parallel.exact import resolve_head
+
+head = resolve_head(model)  # a DetectionHead, for a DetrForObjectDetection with auxiliary_loss=False
+sums, counts = head.row_terms(model(pixel_values=images), head.pop_labels({"labels": targets}))  # [images, 2] each
+loss = head.combine(sums.sum(0), counts.sum(0))  # the model's own loss on these images
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossHead, Route, UnsupportedHead, class_names
+
+__all__ = ["OBJECT_DETECTION", "BoxTargets", "DetectionHead"]
+
+
+class BoxTargets(NamedTuple):
+    """
+    The targets of a batch of images packed by image: `class_labels` `[images, boxes]` (-1 past an image's boxes) and
+    `boxes` `[images, boxes, 4]` (center x, center y, width, height, relative). A NamedTuple of tensors whose first
+    dimension is the images, so that DataParallel splits it with them.
+    """
+
+    class_labels: torch.Tensor
+    boxes: torch.Tensor
+
+    @classmethod
+    def pack(cls, targets) -> BoxTargets:
+        """From the list of one dict per image that the models take (`class_labels`, `boxes`)."""
+        if isinstance(targets, BoxTargets):
+            return targets
+        if not isinstance(targets, (list, tuple)) or not all(
+            isinstance(t, dict) and "class_labels" in t and "boxes" in t for t in targets
+        ):
+            raise HeadMismatch(
+                "object detection labels must be a list of one dict per image with `class_labels` [boxes] and `boxes` "
+                f"[boxes, 4] (what the DETR image processors make); got {type(targets).__name__}."
+            )
+        classes = [torch.as_tensor(t["class_labels"]).long().reshape(-1) for t in targets]
+        boxes = [torch.as_tensor(t["boxes"]).reshape(-1, 4) for t in targets]
+        widest = max((len(c) for c in classes), default=0)
+        packed_classes = torch.stack([F.pad(c, (0, widest - len(c)), value=-1) for c in classes])
+        packed_boxes = torch.stack([F.pad(b, (0, 0, 0, widest - len(b))) for b in boxes])
+        return cls(packed_classes, packed_boxes)
+
+    def box_counts(self) -> torch.Tensor:
+        """`[images]`: the boxes of each image."""
+        return self.class_labels.ge(0).sum(-1)
+
+    def for_model(self) -> list[dict[str, torch.Tensor]]:
+        """The list of one dict per image that the models take."""
+        counts = self.box_counts().tolist()
+        return [
+            {"class_labels": classes[:n], "boxes": boxes[:n]}
+            for classes, boxes, n in zip(self.class_labels, self.boxes, counts, strict=True)
+        ]
+
+
+class DetectionHead(LossHead):
+    """
+    The per-image terms of a DETR-style detection loss.
+
+    Args:
+        matcher (`nn.Module`): the model's Hungarian matcher (transformers' own class, with the config's costs).
+        queries (`int`): the predictions per image (`num_queries`, YOLOS's `num_detection_tokens`).
+        num_classes (`int`): `config.num_labels`.
+        bbox_weight (`float`), giou_weight (`float`): `config.bbox_loss_coefficient`, `config.giou_loss_coefficient`.
+        auxiliary_layers (`int`): the earlier decoder layers whose predictions add their terms (0 without
+            `config.auxiliary_loss`).
+        eos_weight (`float`, *optional*): `config.eos_coefficient` for a softmax class term; None for the focal one.
+        focal_alpha (`float`, *optional*): `config.focal_alpha` of the focal class term.
+    """
+
+    route = Route.LABELS_IN_FORWARD
+    loss_call_arguments = ("outputs_class", "outputs_coord")
+
+    def __init__(
+        self,
+        matcher: nn.Module,
+        queries: int,
+        num_classes: int,
+        bbox_weight: float,
+        giou_weight: float,
+        auxiliary_layers: int,
+        eos_weight: float | None = None,
+        focal_alpha: float = 0.25,
+    ):
+        focal = eos_weight is None
+        super().__init__(("labels",), "object_detection/" + ("focal" if focal else "softmax"))
+        self.matcher, self.queries, self.num_classes = matcher, int(queries), int(num_classes)
+        self.bbox_weight, self.giou_weight = float(bbox_weight), float(giou_weight)
+        self.auxiliary_layers, self.eos_weight, self.focal_alpha = int(auxiliary_layers), eos_weight, focal_alpha
+        # Softmax: [class term over the class weights, box terms over the boxes]; focal: every term over the boxes.
+        self.weights = (1.0,) if focal else (1.0, 1.0)
+        # What each term's count is clamped to: the model's max(boxes, 1); a sum of class weights is never clamped
+        # (any sum of weights above 0 is at least the smallest weight).
+        floor = min(1.0, eos_weight) if not focal and eos_weight > 0 else 1.0
+        self.floors = (1.0,) if focal else (floor, 1.0)
+
+    def pop_labels(self, inputs: dict) -> dict:
+        labels = super().pop_labels(inputs)
+        labels["labels"] = BoxTargets.pack(labels["labels"])
+        return labels
+
+    def count(self, labels: dict, seq_len: int | None = None) -> torch.Tensor:
+        return self._row_counts(BoxTargets.pack(labels["labels"])).sum(0)
+
+    def combine(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.to(sums.device, sums.dtype)
+        return sum((sums[..., k] / counts[..., k].clamp(min=floor)).sum() for k, floor in enumerate(self.floors))
+
+    def row_terms(self, outputs, labels: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = BoxTargets.pack(labels["labels"])
+        logits, boxes = outputs["logits"], outputs["pred_boxes"]
+        rows = targets.class_labels.shape[0]
+        classes = self.num_classes + (0 if self.eos_weight is None else 1)
+        if logits.shape[:2] != (rows, self.queries) or logits.shape[-1] != classes:
+            raise HeadMismatch(
+                f"{self.name}: logits of shape {tuple(logits.shape)} are not [{rows} images, {self.queries} queries, "
+                f"{classes} classes]."
+            )
+        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
+        layers = [(logits, boxes), *self._auxiliary(labels.get(LOSS_CALL_KEY, {}))]
+        lists = targets.for_model()
+        class_sums = logits.new_zeros(rows, dtype=torch.float32)
+        box_sums = logits.new_zeros(rows, dtype=torch.float32)
+        for layer_logits, layer_boxes in layers:
+            image, query, target = self._matched(layer_logits, layer_boxes, lists)
+            class_sums = class_sums + self._class_sums(layer_logits, targets, image, query, target)
+            pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
+            box_sums = box_sums.index_add(0, image, pairs)
+        if self.eos_weight is None:
+            return (class_sums + box_sums).unsqueeze(-1), self._row_counts(targets)
+        return torch.stack([class_sums, box_sums], -1), self._row_counts(targets)
+
+    def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
+        """`[images, terms]` float64: the boxes, and for a softmax class term first the sum of its class weights."""
+        boxes = targets.box_counts().double()
+        if self.eos_weight is None:
+            return boxes.unsqueeze(-1)
+        matched = boxes.clamp(max=self.queries)
+        return torch.stack([matched + (self.queries - matched) * self.eos_weight, boxes], -1)
+
+    def _auxiliary(self, call: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The earlier decoder layers' (logits, boxes), as the model's loss takes them (all but the last layer)."""
+        if not self.auxiliary_layers:
+            return []
+        classes, coords = call.get("outputs_class"), call.get("outputs_coord")
+        if classes is None or coords is None:
+            raise HeadMismatch(f"{self.name}: the model did not pass its decoder layers' predictions to its loss.")
+        return list(zip(classes[:-1], coords[:-1], strict=True))[: self.auxiliary_layers]
+
+    def _matched(self, logits: torch.Tensor, boxes: torch.Tensor, lists: list[dict]):
+        """`(image, query, target)` index vectors of the matched pairs, on the logits' device."""
+        indices = self.matcher({"logits": logits.detach(), "pred_boxes": boxes.detach()}, lists)
+        image = torch.cat([torch.full_like(queries, i) for i, (queries, _) in enumerate(indices)])
+        query = torch.cat([queries for queries, _ in indices])
+        target = torch.cat([targets for _, targets in indices])
+        device = logits.device
+        return image.to(device), query.to(device), target.to(device)
+
+    def _class_sums(self, logits, targets: BoxTargets, image, query, target) -> torch.Tensor:
+        """`[images]`: the class term's sum of each image (its weighted cross-entropy, or its focal loss)."""
+        classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.long, device=logits.device)
+        classes[image, query] = targets.class_labels[image, target]
+        logits = logits.float()
+        if self.eos_weight is not None:
+            weight = logits.new_ones(self.num_classes + 1)
+            weight[-1] = self.eos_weight
+            return F.cross_entropy(logits.transpose(1, 2), classes, weight, reduction="none").sum(-1)
+        onehot = F.one_hot(classes, self.num_classes + 1)[..., :-1].to(logits.dtype)
+        return _focal(logits, onehot, self.focal_alpha).flatten(1).sum(-1)
+
+    def _box_terms(self, predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """`[pairs]`: bbox weight x L1 + GIoU weight x (1 - GIoU) of each matched pair."""
+        l1 = (predicted - target).abs().sum(-1)
+        return self.bbox_weight * l1 + self.giou_weight * (1 - _pairwise_giou(predicted, target))
+
+    @staticmethod
+    def stand_in_loss(arguments: dict):
+        """What a DETR model's loss call returns where hf_parallel computes the loss: no loss, and the earlier layers'
+        predictions as the model's loss would list them."""
+        classes, coords = arguments.get("outputs_class"), arguments.get("outputs_coord")
+        config = arguments.get("config")
+        if classes is None or coords is None or not getattr(config, "auxiliary_loss", False):
+            return None, None, None
+        return None, None, [{"logits": a, "pred_boxes": b} for a, b in zip(classes[:-1], coords[:-1], strict=True)]
+
+    @staticmethod
+    def own_loss_context() -> contextlib.AbstractContextManager:
+        return _rows_alone()
+
+
+def _focal(logits: torch.Tensor, target: torch.Tensor, alpha: float, gamma: float = 2.0) -> torch.Tensor:
+    """The sigmoid focal loss of each entry (RetinaNet's, as transformers' DETR losses take it)."""
+    probability = logits.sigmoid()
+    loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    p_t = probability * target + (1 - probability) * (1 - target)
+    loss = loss * (1 - p_t) ** gamma
+    if alpha >= 0:
+        loss = (alpha * target + (1 - alpha) * (1 - target)) * loss
+    return loss
+
+
+def _corners(boxes: torch.Tensor) -> torch.Tensor:
+    center, size = boxes[..., :2], boxes[..., 2:]
+    return torch.cat([center - size / 2, center + size / 2], -1)
+
+
+def _pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[pairs]`: the generalized IoU of boxes `a[i]` and `b[i]` (center format)."""
+    a, b = _corners(a), _corners(b)
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    inner = (torch.min(a[:, 2:], b[:, 2:]) - torch.max(a[:, :2], b[:, :2])).clamp(min=0)
+    intersection = inner[:, 0] * inner[:, 1]
+    union = area_a + area_b - intersection
+    outer = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0)
+    enclosing = outer[:, 0] * outer[:, 1]
+    return intersection / union - (enclosing - union) / enclosing
+
+
+class _NoSharedState:
+    """Stands for accelerate's `PartialState` where transformers' DETR loss asks whether processes share a state."""
+
+    _shared_state: dict = {}
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+@contextlib.contextmanager
+def _rows_alone():
+    """
+    Within it, transformers' DETR losses count the boxes of their own rows, as on one device: in a run of several
+    processes they reduce the count over the ranks (accelerate's `reduce`, a mean) and divide it by the world size
+    again. Only where several processes run; nested and threaded uses share one patch.
+    """
+    global _patch_depth
+    module = _detr_loss_module()
+    several = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if module is None or not hasattr(module, "PartialState") or not several:
+        yield
+        return
+    with _patch_lock:
+        if _patch_depth == 0:
+            _rows_alone.saved = module.PartialState
+            module.PartialState = _NoSharedState
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                module.PartialState = _rows_alone.saved
+
+
+def _detr_loss_module():
+    try:
+        from transformers.loss import loss_for_object_detection
+    except ImportError:
+        return None
+    return loss_for_object_detection
+
+
+def _losses() -> dict:
+    """transformers' DETR loss functions: the matcher each uses, and whether its class term is a softmax."""
+    try:
+        from transformers.loss.loss_deformable_detr import (
+            DeformableDetrForObjectDetectionLoss,
+            DeformableDetrHungarianMatcher,
+        )
+        from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss, HungarianMatcher
+    except ImportError:
+        return {}
+    return {
+        ForObjectDetectionLoss: (HungarianMatcher, True),
+        DeformableDetrForObjectDetectionLoss: (DeformableDetrHungarianMatcher, False),
+    }
+
+
+def _detection(name: str, model, labels, smoothing: float) -> LossHead:
+    config = model.config
+    losses = _losses()
+    loss_function = getattr(model, "loss_function", None)
+    if loss_function not in losses:
+        raise UnsupportedHead(
+            f"{name}'s detection loss ({getattr(loss_function, '__name__', loss_function)}) is not one hf_parallel "
+            "computes per image (it knows DETR's and Deformable DETR's); RT-DETR-style losses (denoising groups, "
+            "varifocal and fine-grained terms) stay on the stock loss."
+        )
+    queries = getattr(config, "num_queries", None) or getattr(config, "num_detection_tokens", None)
+    if not isinstance(queries, int):
+        raise UnsupportedHead(f"{name}'s config gives no number of queries (num_queries, num_detection_tokens).")
+    matcher_class, softmax = losses[loss_function]
+    try:
+        matcher = matcher_class(class_cost=config.class_cost, bbox_cost=config.bbox_cost, giou_cost=config.giou_cost)
+    except ImportError as missing:  # the matcher needs scipy
+        raise UnsupportedHead(f"{name}'s Hungarian matching needs scipy: pip install scipy.") from missing
+    auxiliary = max(getattr(config, "decoder_layers", 1) - 1, 0) if getattr(config, "auxiliary_loss", False) else 0
+    return DetectionHead(
+        matcher,
+        queries,
+        config.num_labels,
+        config.bbox_loss_coefficient,
+        config.giou_loss_coefficient,
+        auxiliary,
+        eos_weight=float(config.eos_coefficient) if softmax else None,
+        focal_alpha=float(getattr(config, "focal_alpha", 0.25)),
+    )
+
+
+OBJECT_DETECTION = HeadFamily(class_names("MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"), _detection)
