@@ -6,7 +6,8 @@ its config class; `benchmarks.zoo_inputs` makes the four rows of inputs and labe
 A tiny config is the config class's defaults with every size it knows shrunk (`SIZES`: width, depth, heads, experts;
 `MEDIA_SIZES`: images of 32 pixels in patches of at most 8, short convolution stacks, few mel bins), every dropout,
 stochastic depth and SpecAugment mask at 0, and no cache; nested configs (a text, vision or audio config, an encoder
-and a decoder, a backbone) are shrunk alike. The vocabulary is kept above every special token id the config or the
+and a decoder, a backbone) are shrunk alike; a timm backbone (DETR and its kin) becomes a tiny transformers ResNet with
+the same stages out (timm is not a dependency). The vocabulary is kept above every special token id the config or the
 config around it names (a VLM's image token), so that those stay valid.
 """
 
@@ -213,7 +214,9 @@ def _shrunk(values: dict, token_ids: tuple[int, ...] = (), vlm_text: bool = Fals
     depth = None if isinstance(values.get("depths"), list) else depth  # per-stage lists (Swin) are not per layer
     token_ids = (*token_ids, *(v for k, v in values.items() if _is_token_id(k, v)))
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or "hidden_size" in value):
+        if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
+            out[key] = _resnet_backbone(value)
+        elif isinstance(value, dict) and ("model_type" in value or "hidden_size" in value):
             out[key] = _shrunk(value, token_ids, vlm_text=key == "text_config" and "vision_config" in values)
         elif isinstance(value, float) and any(part in key for part in _NO_DROP):
             out[key] = 0.0
@@ -234,6 +237,23 @@ def _shrunk(values: dict, token_ids: tuple[int, ...] = (), vlm_text: bool = Fals
     if "vocab_size" in out and isinstance(out["vocab_size"], int):
         out["vocab_size"] = max([_MIN_VOCAB, *(t + 1 for t in token_ids)])
     return out
+
+
+def _resnet_backbone(timm: dict) -> dict:
+    """
+    A tiny transformers ResNet for a timm backbone (DETR and its kin default to timm's ResNet-50, and timm is not a
+    dependency): the same stages out (ResNet's stage i is timm's feature i), in transformers' own classes.
+    """
+    stages = timm.get("out_indices") or [1, 2, 3, 4]
+    config = transformers.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 16, 16, 16],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        num_channels=timm.get("num_channels", 3),
+        out_indices=list(stages),
+    )
+    return config.to_dict()
 
 
 def _shrink_mrope(out: dict) -> None:

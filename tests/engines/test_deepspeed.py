@@ -35,7 +35,9 @@ from tests.moe import CASES as MOE
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
-pytestmark = pytest.mark.slow
+# `full`: kept out of the default suite's 10 minutes (a spawn of 2 ranks running DeepSpeed, ~40 s); .ci/run runs it in
+# its own step, in the environment that has deepspeed.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 ALL_CASES = {**CASES, **CONTRASTIVE, **MOE}
 FAMILIES = {

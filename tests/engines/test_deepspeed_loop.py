@@ -24,7 +24,9 @@ from tests.heads import llama, lm_rows
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
-pytestmark = pytest.mark.slow
+# `full`: kept out of the default suite's 10 minutes (a spawn of 2 ranks running DeepSpeed, ~40 s); .ci/run runs it in
+# its own step, in the environment that has deepspeed.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 TRAIN_ROWS, STEP_ROWS, PER_DEVICE, ACCUMULATION = 10, 8, 2, 2
 EVAL_ROWS = 7  # 2 ranks x 2 rows: the sampler repeats a row to fill the last batch

@@ -175,6 +175,7 @@ def test_shipped_cpu_config_runs_ddp_equal_to_one_process(model_dir, single_proc
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two DeepSpeed processes launched for real (~14 s): .ci/run runs it in its own step
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 def test_shipped_deepspeed_zero3_config_trains_equal_to_one_process(model_dir, single_process_run, tmp_path):
     """

@@ -64,8 +64,15 @@ def test_one_process_is_the_models_own_loss_on_the_whole_step(case):
     assert result.eval_loss == pytest.approx(eval_loss.item(), rel=TOL)
 
 
+# DETR under every in-process topology; the others (the same machinery, another class term) under the two main ones.
 IN_PROCESS = [
-    pytest.param(case, topology, id=f"{case}-{topology.name}") for topology in (GA2, DP2, DP3_GPU0) for case in CASES
+    pytest.param(case, topology, id=f"{case}-{topology.name}")
+    for case, topologies in (
+        ("detr_detection", (GA2, DP2, DP3_GPU0)),
+        ("deformable_detr_detection", (GA2, DP2)),
+        ("yolos_detection", (GA2, DP2)),
+    )
+    for topology in topologies
 ]
 
 
@@ -75,7 +82,7 @@ def test_in_process_topologies_equal_one_process(case, topology):
     assert_equivalent(result, single(case), f"{case} under {topology.name}", TOL)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["detr_detection", "deformable_detr_detection"])
 def test_control_stock_under_gradient_accumulation(case):
     """Stock averages the micro-batches' means: its images weigh by their micro-batch's boxes, not the step's."""
     stock = run_case(CASES[case], GA2, stock=True)
