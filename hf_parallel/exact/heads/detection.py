@@ -318,15 +318,30 @@ def _losses() -> dict:
     }
 
 
+# Why the other detection losses of transformers stay on the stock loss, by the name of their loss function.
+_DENOISING = (
+    ": in training its forward adds denoising queries built from the whole batch's boxes (as many groups as its "
+    "denoising queries over the batch's largest box count, their noise drawn per batch), so no split of a step "
+    "equals one forward"
+)
+_OTHER_LOSSES = {
+    "RTDetr": _DENOISING,
+    "DFine": _DENOISING,
+    "Deimv2": _DENOISING,
+    "LwDetr": ": LW-DETR's and RF-DETR's query groups and IoU-aware class term are not computed per image yet",
+}
+
+
 def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     config = model.config
     losses = _losses()
     loss_function = getattr(model, "loss_function", None)
     if loss_function not in losses:
+        function = getattr(loss_function, "__name__", str(loss_function))
+        why = next((reason for prefix, reason in _OTHER_LOSSES.items() if function.startswith(prefix)), "")
         raise UnsupportedHead(
-            f"{name}'s detection loss ({getattr(loss_function, '__name__', loss_function)}) is not one hf_parallel "
-            "computes per image (it knows DETR's and Deformable DETR's); RT-DETR-style losses (denoising groups, "
-            "varifocal and fine-grained terms) stay on the stock loss."
+            f"{name}'s detection loss ({function}) is not one hf_parallel computes per image (it knows DETR's and "
+            f"Deformable DETR's){why}."
         )
     queries = getattr(config, "num_queries", None) or getattr(config, "num_detection_tokens", None)
     if not isinstance(queries, int):

@@ -2,10 +2,11 @@
 DETR-style detection exact (tests/detection.py: DETR's softmax class term with its "no object" weight, Deformable
 DETR's focal one, both with auxiliary decoder layers; YOLOS): one process equals the model's own loss and gradient on
 the whole step in one forward, and its own eval loss on the whole evaluation set; gradient accumulation, torch's
-DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank DDP (with and without accumulation) equal one
-process. Stock is the control that must differ: a mean of micro-batch means under accumulation, and under DDP box
-terms divided by the ranks' mean box count over the world size again. Then the parts: the packed targets, the model's
-loss spared outside the check, RT-DETR-style losses warned.
+DataParallel (the emulation, even and with `gpu0_bsz`), 2-rank DDP (with and without accumulation, and an epoch's
+padded last step) and a hand-written loop (`ExactLoop`) equal one process. Stock is the control that must differ: a
+mean of micro-batch means under accumulation, and under DDP box terms divided by the ranks' mean box count over the
+world size again. Then the parts: the packed targets, the model's loss spared outside the check, RT-DETR-style losses
+warned.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 import transformers
 
+import hf_parallel
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, HeadMismatch, LossCallWatch
 from hf_parallel.exact.heads.detection import BoxTargets, DetectionHead
@@ -116,6 +118,23 @@ def test_ddp_two_ranks_equal_one_process(ddp_results):
     assert max_relative_diff(stock.grads, single("detr_detection").grads) > 0.3
 
 
+def test_a_hand_written_loop_is_exact():
+    """ExactLoop without an accelerator, 2 micro-batches of 3 and 5 images: the step's loss and gradient."""
+    spec = CASES["detr_detection"]
+    rows = spec.rows(TRAIN_ROWS, 1)
+    reference = spec.build(0)
+    loss = reference(**collate(rows)).loss
+    loss.backward()
+    model = spec.build(0)
+    loop = hf_parallel.ExactLoop()
+    for step in loop.steps([collate(rows[:3]), collate(rows[3:])], accumulation_steps=2):
+        for batch in step:
+            step.loss(model, batch).backward()
+        assert step.logged_loss() == pytest.approx(loss.item(), rel=TOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert max_relative_diff(grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}) < TOL
+
+
 # ---- The parts ------------------------------------------------------------------------------------------------------
 
 
@@ -171,9 +190,20 @@ def test_the_models_own_loss_is_spared_outside_the_check():
 
 
 def test_rt_detr_style_losses_stay_on_the_stock_loss_with_their_reason():
-    module = type("RTDetrForObjectDetection", (torch.nn.Module,), {})()
+    """RT-DETR's training forward is batch-coupled (denoising groups from the batch's largest box count)."""
+    config = transformers.RTDetrConfig(
+        backbone_config=transformers.RTDetrResNetConfig(hidden_sizes=[8, 8, 8, 8], embedding_size=8, depths=[1] * 4),
+        d_model=16,
+        encoder_hidden_dim=16,
+        encoder_in_channels=[8, 8, 8],
+        num_queries=5,
+        num_labels=3,
+    )
+    with pytest.raises(UnsupportedHead, match="RTDetrForObjectDetectionLoss.*denoising queries"):
+        resolve_head(transformers.RTDetrForObjectDetection(config))
+    module = type("DetrForObjectDetection", (torch.nn.Module,), {})()  # a class of the family, without its loss
     module.config = transformers.PretrainedConfig()
-    with pytest.raises(UnsupportedHead, match="RT-DETR"):
+    with pytest.raises(UnsupportedHead, match="not one hf_parallel computes per image"):
         resolve_head(module)
 
 
