@@ -19,9 +19,10 @@ Outcomes (a class is counted once):
     fallback     hf_parallel warned that it leaves the loss to the Trainer (stock's); listed with the warning.
     silent       neither exact nor warned: a loss silently different from the model's own.
     crash        the Trainer raised where stock trains.
-    unbuildable  the tiny model, its inputs or its own loss could not be made (or stock crashes too), and
-                 models whose forward depends on the rest of the batch (batch norm, token-dropping MoE), where no
-                 split of the step can equal one forward.
+    unbuildable  the tiny model, its inputs or its own loss could not be made (or stock crashes too).
+A model whose forward depends on the rest of its batch (batch norm, token-dropping MoE), where no split of the step
+can equal one forward, is judged against its own losses on the step's two micro-batches, each weighted by its share of
+the items (`Outcome.reference`: "micro-batches"): what one device computes under accumulation.
 Stock is shown in the same terms (no warnings: exact, silent or crash).
 """
 
@@ -87,6 +88,10 @@ class Outcome:
     ours: str
     stock: str
     reason: str = ""
+    #: What the step was judged against: "one forward" over its rows, or "micro-batches" (a forward that depends on
+    #: the rest of its batch, batch normalisation's: the model's own loss on each micro-batch, weighted by its items,
+    #: which is what one device computes under accumulation too).
+    reference: str = "one forward"
 
 
 class _Capture(transformers.TrainerCallback):
@@ -242,7 +247,7 @@ def check_model(zoo_model: ZooModel, build_seconds: float = BUILD_SECONDS) -> Ou
     against its own loss."""
     try:
         with _deadline(build_seconds):
-            model, rows, ref_loss, ref_grads = _build(zoo_model)
+            model, rows, ref_loss, ref_grads, judged = _build(zoo_model)
     except Exception as error:
         return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "unbuildable", _one_line(error))
     data_parallel = zoo_model.kind == ROUTER_KIND
@@ -256,9 +261,11 @@ def check_model(zoo_model: ZooModel, build_seconds: float = BUILD_SECONDS) -> Ou
     if ours == "silent" and abs(trained[0] - ref_loss) <= TOL * max(abs(ref_loss), 1e-6):
         ours, reason = _second_look(model, rows, ref_grads, trained[1], reason)
     if ours == "crash" and stock == "crash":
-        return Outcome(zoo_model.name, zoo_model.kind, "unbuildable", "crash", f"stock crashes too: {stock_reason}")
+        return Outcome(
+            zoo_model.name, zoo_model.kind, "unbuildable", "crash", f"stock crashes too: {stock_reason}", judged
+        )
     return Outcome(
-        zoo_model.name, zoo_model.kind, ours, stock, reason or (f"stock: {stock_reason}" * (ours != "exact"))
+        zoo_model.name, zoo_model.kind, ours, stock, reason or (f"stock: {stock_reason}" * (ours != "exact")), judged
     )
 
 
@@ -293,28 +300,48 @@ def _reference_float64(model, rows: list[dict]) -> dict:
 
 def _split_reference(model, rows: list[dict]) -> dict:
     """The gradient of the model's own loss on the two micro-batches of the step, each weighted by its items."""
+    return split_reference(model, rows)[1]
+
+
+def split_reference(model, rows: list[dict]) -> tuple[float, dict]:
+    """
+    The model's own loss on the two micro-batches of the step, each weighted by its share of the step's items (a
+    summed loss added as it is), and its gradient: what one device computes under gradient accumulation where the
+    forward depends on the rest of its batch (batch normalisation's statistics are those of each micro-batch).
+    """
     from hf_parallel.exact import resolve_head
 
     model = copy.deepcopy(model).train()
     batches = [collate(rows[:2]), collate(rows[2:])]
     head = resolve_head(model, sample_labels=batches[0].get("labels"))
     items = [float(head.count({k: b[k] for k in head.label_keys}).sum()) for b in batches]
+    total = 0.0
     for batch, share in zip(batches, items, strict=True):
         # A summed loss (CTC's "sum") is added as it is: nothing divides it.
-        (model(**batch).loss * (1.0 if head.summed else share / sum(items))).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        loss = model(**batch).loss * (1.0 if head.summed else share / sum(items))
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _build(zoo_model: ZooModel) -> tuple[torch.nn.Module, list[dict], float, dict]:
-    """The tiny model, its rows, and its own loss and gradient on them; raises where any cannot be made."""
+def _build(zoo_model: ZooModel) -> tuple[torch.nn.Module, list[dict], float, dict, str]:
+    """
+    The tiny model, its rows, its own loss and gradient on them, and what they are (`Outcome.reference`): one forward
+    over the rows, or, for a forward that depends on the rest of its batch, the micro-batches' own losses (a model
+    whose loss hf_parallel does not make exact then has no reference: unbuildable). Raises where any cannot be made.
+    """
     model = build_model(zoo_model)
     rows = rows_for(zoo_model, model)
     ref_loss, ref_grads = reference(model, rows)
     if not ref_grads or not torch.isfinite(torch.tensor(ref_loss)):
         raise ValueError(f"the model's own loss is {ref_loss} with {len(ref_grads)} gradients")
-    if batch_dependent(model, rows):
-        raise ValueError("its forward depends on the rest of the batch")
-    return model, rows, ref_loss, ref_grads
+    if not batch_dependent(model, rows):
+        return model, rows, ref_loss, ref_grads, "one forward"
+    try:
+        ref_loss, ref_grads = split_reference(model, rows)
+    except Exception as error:
+        raise ValueError(f"its forward depends on the rest of the batch, and {_one_line(error)}") from error
+    return model, rows, ref_loss, ref_grads, "micro-batches"
 
 
 def _one_line(error: BaseException) -> str:
@@ -328,6 +355,13 @@ def report(outcomes: list[Outcome]) -> str:
     lines = [f"{len(outcomes)} classes", f"{'':12}" + "".join(f"{name:>12}" for name in OUTCOMES)]
     for label, counts in (("hf_parallel", ours), ("stock", stock)):
         lines.append(f"{label:12}" + "".join(f"{counts.get(name, 0):>12}" for name in OUTCOMES))
+    split = [o for o in outcomes if o.reference == "micro-batches"]
+    if split:
+        counts = Counter(o.ours for o in split)
+        lines.append(
+            f"of them judged against the micro-batches' own losses (a forward that depends on its batch): {len(split)}"
+            f" ({', '.join(f'{counts[name]} {name}' for name in OUTCOMES if counts[name])})"
+        )
     for outcome in outcomes:
         if outcome.ours != "exact":
             lines.append(
@@ -355,7 +389,9 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
             start = time.perf_counter()
             outcomes.append(check_model(zoo_model))
             seconds = time.perf_counter() - start
-            print(f"{outcomes[-1].ours:11} {outcomes[-1].stock:11} {seconds:5.1f}s {zoo_model.name}", flush=True)
+            last = outcomes[-1]
+            split = " (micro-batches)" if last.reference == "micro-batches" else ""
+            print(f"{last.ours:11} {last.stock:11} {seconds:5.1f}s {zoo_model.name}{split}", flush=True)
     print(report(outcomes))
     return outcomes
 

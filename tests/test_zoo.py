@@ -52,8 +52,8 @@ SAMPLE = {
 }
 # Beyond text, one or more classes per family (ours, stock): exact where stock averages its own loss (x2), a summed CTC
 # loss that stock gets right too, a vision-language LM whose loss honours the count, a segmentation model with an
-# auxiliary head (its logits recorded from the head), and the fallbacks with a reason (x-vectors, masked image
-# modeling).
+# auxiliary head (its logits recorded from the head), DETR (each image matched to its own boxes), models with batch
+# normalisation, and the fallbacks with a reason (x-vectors, masked image modeling, RF-DETR's loss).
 MEDIA_SAMPLE = {
     "ViTForImageClassification": ("exact", "exact"),
     "VideoMAEForVideoClassification": ("exact", "exact"),
@@ -67,7 +67,14 @@ MEDIA_SAMPLE = {
     "Qwen2VLForConditionalGeneration": ("exact", "exact"),
     "DPTForSemanticSegmentation": ("exact", "silent"),  # with its auxiliary head's loss
     "ViTForMaskedImageModeling": ("fallback", "silent"),
+    "DetrForObjectDetection": ("exact", "silent"),  # its timm backbone built as a transformers ResNet
+    "RfDetrForObjectDetection": ("fallback", "silent"),
+    # Batch normalisation: judged against the model's own losses on each micro-batch (`Outcome.reference`).
+    "ResNetForImageClassification": ("exact", "silent"),
+    "UperNetForSemanticSegmentation": ("exact", "silent"),
 }
+# The classes above whose forward depends on the rest of the batch.
+PER_MICRO_BATCH = {"ResNetForImageClassification", "UperNetForSemanticSegmentation"}
 ZOO = {model.name: model for model in zoo_models([*HEAD_KINDS])}  # each class under its own kind
 # Batch-coupled losses (ours; stock is never exact): contrastive dual encoders under gradient accumulation (the cached
 # two-pass; stock scores each micro-batch against itself), and MoE LMs with their router loss on under DataParallel
@@ -92,6 +99,7 @@ def test_a_sample_of_the_zoo_is_exact_or_warned(name):
 def test_a_sample_of_the_non_text_zoo_is_exact_or_warned(name):
     outcome = check_model(ZOO[name])
     assert (outcome.ours, outcome.stock) == MEDIA_SAMPLE[name], outcome
+    assert outcome.reference == ("micro-batches" if name in PER_MICRO_BATCH else "one forward"), outcome
 
 
 @pytest.mark.parametrize(("name", "kind"), list(COUPLED_SAMPLE))
