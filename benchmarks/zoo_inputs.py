@@ -346,16 +346,54 @@ def _image_tokens(built: torch.nn.Module, image: dict, token: int) -> int:
     return seen["count"]
 
 
+def _text_inputs_beside_images(built: torch.nn.Module, row_ids: torch.Tensor, count: int, g) -> dict:
+    """What some models take beside the image and the text: InstructBLIP's Q-Former prompt, Kosmos-2's positions of
+    its image embeddings (the `count` after the first token)."""
+    extra = {}
+    if _accepts(built, "qformer_input_ids"):
+        extra["qformer_input_ids"] = _token_ids(built.config, 1, SEQ, g)[0]
+        extra["qformer_attention_mask"] = torch.ones(SEQ, dtype=torch.long)
+    if _accepts(built, "image_embeds_position_mask"):
+        extra["image_embeds_position_mask"] = (
+            (torch.arange(len(row_ids)) >= 1) & (torch.arange(len(row_ids)) <= count)
+        ).long()
+    return extra
+
+
+def _flattened_patch_rows(built: torch.nn.Module, g: torch.Generator) -> list[dict]:
+    """Pix2Struct: each image as its flattened patches (row and column index, then the patch's pixels); uneven
+    labels."""
+    vision = built.config.vision_config
+    patches, width = 8, vision.patch_embed_hidden_size
+    rows = []
+    for _ in range(ROWS):
+        index = torch.arange(patches, dtype=torch.float)
+        flat = torch.cat(
+            [(index // 4 + 1)[:, None], (index % 4 + 1)[:, None], torch.randn(patches, width, generator=g)], 1
+        )
+        rows.append({"flattened_patches": flat, "attention_mask": torch.ones(patches, dtype=torch.long)})
+    for row, labels in zip(rows, _uneven(_token_ids(built.config, ROWS, SEQ, g)), strict=True):
+        row["labels"] = labels
+    return rows
+
+
 def vlm_rows(kind: str, built: torch.nn.Module, g: torch.Generator) -> list[dict]:
     """Rows 0 and 2 with an image (exactly the placeholders it takes), 1 and 3 text only where the model allows a
     batch of both, else all with images; labels on the text after the image, of uneven lengths."""
     config = built.config
+    if _accepts(built, "flattened_patches"):
+        return _flattened_patch_rows(built, g)
     token = _image_token_id(config)
     layouts = _image_layouts(built, g)
     for n, layout in enumerate(layouts):
         try:
-            # Without an image token (BLIP-2, Kosmos-2), the model puts the image before the text itself.
-            count = 0 if token is None else _image_tokens(built, layout, token)
+            # Without an image token (Kosmos-2: its latent queries, at the positions a mask gives), the model puts the
+            # image before the text itself; BLIP-2's and InstructBLIP's Q-Former queries fill the placeholders.
+            queries = getattr(config, "num_query_tokens", None)
+            if token is None:
+                count = getattr(config, "latent_query_num", 0)
+            else:
+                count = queries if isinstance(queries, int) else _image_tokens(built, layout, token)
             break
         except Exception:
             if n == len(layouts) - 1:
@@ -375,6 +413,7 @@ def vlm_rows(kind: str, built: torch.nn.Module, g: torch.Generator) -> list[dict
             row = {"input_ids": row_ids, "attention_mask": torch.ones_like(row_ids), "labels": labels}
             if _accepts(built, "mm_token_type_ids"):
                 row["mm_token_type_ids"] = (row_ids == token).long()  # the processor's: 1 on image tokens
+            row.update(_text_inputs_beside_images(built, row_ids, count, g))
             rows.append({**row, **(images[i] if with_image[i] else {})})
         try:
             with torch.no_grad():

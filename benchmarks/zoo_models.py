@@ -294,7 +294,11 @@ def _is_token_id(key: str, value) -> bool:
 def build_model(model: ZooModel, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `model`, its weights drawn with `seed`, in float32."""
     config_class = getattr(transformers, model.config_class)
-    values = _shrunk(config_class().to_dict())
+    values = config_class().to_dict()
+    if values.get("image_token_index", 0) is None and "num_query_tokens" in values:
+        # BLIP-2 and InstructBLIP leave their image token to the processor, which adds it to the tokenizer.
+        values["image_token_index"] = _MIN_VOCAB - 1
+    values = _shrunk(values)
     if model.kind == "ctc" and values.get("vocab_size", 0) is None:
         values["vocab_size"] = _MIN_VOCAB  # the CTC head's size, which the default config leaves to the tokenizer
     if model.router:
