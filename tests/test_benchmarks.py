@@ -1,7 +1,8 @@
 """
 The benchmarks print figures, not verdicts; here one fast case of `benchmarks/reach.py` (the in-process part of
 case 1, LoRA under gradient accumulation) is run for its figures: stock visibly off, hf_parallel on the reference.
-One short run of `benchmarks/router.py`: its first step's loss against the model's own over the step's rows. Then the
+One short run of `benchmarks/router.py`: its first step's loss against the model's own over the step's rows; and
+`benchmarks/detection.py`'s gradient-accumulation half: stock's gradient off, hf_parallel's on one process's. Then the
 steady-state window of `benchmarks/balance_gpu.py` (`gpu_steps.SteadyState`) and its printout, through a
 stand-in for torch.cuda's memory statistics (the figures themselves need a GPU).
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 from transformers import TrainerState
 
-from benchmarks import balance_gpu, gpu_steps, reach, router
+from benchmarks import balance_gpu, detection, gpu_steps, reach, router
 
 
 def test_reach_lora_case_shows_stock_off_and_hf_parallel_exact(capsys):
@@ -126,3 +127,17 @@ def test_balance_gpu_says_which_steps_the_peak_covers(capsys):
         "MISS (hf_parallel's check of its loss head was still undecided: its steps are in its peak)"
     )
     assert lines[1].endswith("gpu0_bsz=0: 50% below: PASS")
+
+
+def test_detection_benchmark_shows_stock_off_and_hf_parallel_exact(capsys):
+    pytest.importorskip("scipy")
+    rows = detection.measure(ddp=False)
+    sides = {(name, side): (loss, eval_loss, grad) for name, topology, side, loss, eval_loss, grad in rows}
+    assert {topology for _, topology, *_ in rows} == {"GA 2"}
+    for name in ("detr_detection", "deformable_detr_detection", "yolos_detection"):
+        assert sides[name, "stock"][2] > 0.01  # a mean of micro-batch means: images weigh by their micro-batch
+        loss, eval_loss, grad = sides[name, "hf_parallel"]
+        assert abs(loss - 1) < 1e-5 and abs(eval_loss - 1) < 1e-5 and grad < 1e-5
+    detection.print_table(rows)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert printed[0].startswith("| model | topology | trainer |") and len(printed) == 2 + len(rows)
