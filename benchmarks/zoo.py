@@ -154,6 +154,16 @@ def batch_dependent(model: torch.nn.Module, rows: list[dict]) -> bool:
     return a.shape != b.shape or bool((a - b).abs().max() > TOL * max(a.abs().max().item(), 1.0))
 
 
+def random_in_training(model: torch.nn.Module, rows: list[dict]) -> bool:
+    """Whether two forwards of the same rows in training mode differ (dropout, noise): no reference is then fixed."""
+    model = copy.deepcopy(model).train()
+    with torch.no_grad():
+        first, second = model(**collate(rows)), model(**collate(rows))
+    key = next(k for k, v in first.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim())
+    a, b = first[key].float(), second[key].float()
+    return a.shape != b.shape or bool((a - b).abs().max() > TOL * max(a.abs().max().item(), 1.0))
+
+
 def train_step(
     model: torch.nn.Module, rows: list[dict], stock: bool, data_parallel: bool = False
 ) -> tuple[float, dict, list[str]]:
@@ -337,6 +347,8 @@ def _build(zoo_model: ZooModel) -> tuple[torch.nn.Module, list[dict], float, dic
         raise ValueError(f"the model's own loss is {ref_loss} with {len(ref_grads)} gradients")
     if not batch_dependent(model, rows):
         return model, rows, ref_loss, ref_grads, "one forward"
+    if random_in_training(model, rows):
+        raise ValueError("its forward draws random numbers in training (a dropout its tiny config leaves on)")
     try:
         ref_loss, ref_grads = split_reference(model, rows)
     except Exception as error:

@@ -220,6 +220,13 @@ def _shrunk(values: dict, token_ids: tuple[int, ...] = (), vlm_text: bool = Fals
             out[key] = _shrunk(value, token_ids, vlm_text=key == "text_config" and "vision_config" in values)
         elif isinstance(value, float) and any(part in key for part in _NO_DROP):
             out[key] = 0.0
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, float) for v in value)
+            and any(part in key for part in _NO_DROP)
+        ):
+            out[key] = [0.0] * len(value)  # per stage (CvT's drop_path_rate)
         elif isinstance(value, list) and depth and len(value) == depth and depth > 2 and key not in _STAGE_LISTS:
             out[key] = value[:2]  # one entry per layer (layer types, per-layer sizes)
         else:
@@ -304,5 +311,8 @@ def build_model(model: ZooModel, seed: int = 0) -> torch.nn.Module:
     if model.router:
         _router_on(values)
     config = config_class(**values)
+    if getattr(config, "classifier_dropout", None) is None:
+        # Unset, the token classifiers of decoder LMs (`GenericForTokenClassification`) drop 10 % of the features.
+        config.classifier_dropout = 0.0
     torch.manual_seed(seed)
     return getattr(transformers, model.name)(config).float()
