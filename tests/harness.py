@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from hf_parallel import Trainer, TrainingArguments, unwrap_model
+from hf_parallel import ExactLoop, Trainer, TrainingArguments, unwrap_model
 from hf_parallel.testing import simulate_data_parallel, simulated_training_args, spawn_cpu_ranks
 from tests.heads import CASES, Case
 from tests.tiny import IterableRows
@@ -257,6 +257,41 @@ def run_ddp(case_names: list[str], topology: Topology, tmp_path, stock: bool = F
     """Each case under the same DDP topology, in one spawn: case name -> result."""
     runs = {name: (name, topology, stock, overrides) for name in case_names}
     return run_ddp_runs(runs, tmp_path, topology.processes)
+
+
+class OneProcess:
+    """The one-process run (`SINGLE`) of each case, run once per test module: `single = OneProcess(CASES)`."""
+
+    def __init__(self, cases: dict[str, Case]):
+        self.cases, self.results = cases, {}
+
+    def __call__(self, name: str) -> RunResult:
+        if name not in self.results:
+            self.results[name] = run_case(self.cases[name], SINGLE)
+        return self.results[name]
+
+
+def own_step(case: Case, rows: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The model's own loss on `rows` in one forward (the case's collator, or transformers' default), and its
+    gradient: the reference a step over those rows must equal."""
+    collate = case.collator or transformers.default_data_collator
+    model = case.build(0)
+    loss = model(**collate(rows)).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def exact_loop_step(case: Case, rows: list[dict], first: int = 3) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of `hf_parallel.ExactLoop` without an accelerator over `rows` as two micro-batches (the first `first`
+    rows, then the rest): its logged loss and the gradient it leaves."""
+    collate = case.collator or transformers.default_data_collator
+    model = case.build(0)
+    logged = None
+    for step in ExactLoop().steps([collate(rows[:first]), collate(rows[first:])], accumulation_steps=2):
+        for batch in step:
+            step.loss(model, batch).backward()
+        logged = step.logged_loss()
+    return logged, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def max_relative_diff(a: dict, b: dict) -> float:

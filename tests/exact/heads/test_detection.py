@@ -17,7 +17,6 @@ import pytest
 import torch
 import transformers
 
-import hf_parallel
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, HeadMismatch, LossCallWatch
 from hf_parallel.exact.heads.detection import BoxTargets, DetectionHead
@@ -32,9 +31,11 @@ from tests.harness import (
     GA2,
     SINGLE,
     TRAIN_ROWS,
-    RunResult,
+    OneProcess,
     assert_equivalent,
+    exact_loop_step,
     max_relative_diff,
+    own_step,
     run_case,
     run_ddp_runs,
 )
@@ -42,26 +43,17 @@ from tests.harness import (
 pytest.importorskip("scipy")  # transformers' Hungarian matcher
 
 TOL = 1e-5
-_single: dict[str, RunResult] = {}
-
-
-def single(case: str) -> RunResult:
-    if case not in _single:
-        _single[case] = run_case(CASES[case], SINGLE)
-    return _single[case]
+single = OneProcess(CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_process_is_the_models_own_loss_on_the_whole_step(case):
     spec = CASES[case]
-    model = spec.build(0)
-    loss = model(**collate(spec.rows(TRAIN_ROWS, 1))).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss, grads = own_step(spec, spec.rows(TRAIN_ROWS, 1))
     with torch.no_grad():
         eval_loss = spec.build(0).eval()(**collate(spec.rows(EVAL_ROWS, 2))).loss
     result = single(case)
-    assert result.loss == pytest.approx(loss.item(), rel=TOL)
+    assert result.loss == pytest.approx(loss, rel=TOL)
     assert max_relative_diff(result.grads, grads) < TOL
     assert result.eval_loss == pytest.approx(eval_loss.item(), rel=TOL)
 
@@ -120,19 +112,11 @@ def test_ddp_two_ranks_equal_one_process(ddp_results):
 
 def test_a_hand_written_loop_is_exact():
     """ExactLoop without an accelerator, 2 micro-batches of 3 and 5 images: the step's loss and gradient."""
-    spec = CASES["detr_detection"]
-    rows = spec.rows(TRAIN_ROWS, 1)
-    reference = spec.build(0)
-    loss = reference(**collate(rows)).loss
-    loss.backward()
-    model = spec.build(0)
-    loop = hf_parallel.ExactLoop()
-    for step in loop.steps([collate(rows[:3]), collate(rows[3:])], accumulation_steps=2):
-        for batch in step:
-            step.loss(model, batch).backward()
-        assert step.logged_loss() == pytest.approx(loss.item(), rel=TOL)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert max_relative_diff(grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}) < TOL
+    rows = CASES["detr_detection"].rows(TRAIN_ROWS, 1)
+    loss, reference = own_step(CASES["detr_detection"], rows)
+    logged, grads = exact_loop_step(CASES["detr_detection"], rows)
+    assert logged == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(grads, reference) < TOL
 
 
 # ---- The parts ------------------------------------------------------------------------------------------------------

@@ -33,9 +33,11 @@ from tests.harness import (
     GA2,
     SINGLE,
     TRAIN_ROWS,
-    RunResult,
+    OneProcess,
     assert_equivalent,
+    exact_loop_step,
     max_relative_diff,
+    own_step,
     record_hf_parallel_log,
     run_case,
     run_ddp_runs,
@@ -57,24 +59,14 @@ STOCK_GA2 = {
     "llava_vlm": 1.0,
 }
 
-_single: dict[str, RunResult] = {}
-
-
-def single(case: str) -> RunResult:
-    if case not in _single:
-        _single[case] = run_case(CASES[case], SINGLE)
-    return _single[case]
+single = OneProcess(CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_process_is_the_models_own_loss_on_the_whole_step(case):
-    spec = CASES[case]
-    model = spec.build(0)
-    loss = model(**default_data_collator(spec.rows(TRAIN_ROWS, 1))).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss, grads = own_step(CASES[case], CASES[case].rows(TRAIN_ROWS, 1))
     result = single(case)
-    assert result.loss == pytest.approx(loss.item(), rel=TOL)
+    assert result.loss == pytest.approx(loss, rel=TOL)
     assert max_relative_diff(result.grads, grads) < TOL
 
 
@@ -293,17 +285,8 @@ def test_logits_longer_than_the_labels_fall_back_with_the_reason_not_a_crash():
 @pytest.mark.parametrize("case", ["wav2vec2_ctc_mean", "wav2vec2_ctc_sum", "segformer_segmentation"])
 def test_a_hand_written_loop_is_exact(case):
     """ExactLoop without an accelerator, 2 micro-batches of uneven rows: the step's loss and gradient."""
-    spec = CASES[case]
-    rows = spec.rows(TRAIN_ROWS, 1)
-    reference = spec.build(0)
-    loss = reference(**default_data_collator(rows)).loss
-    loss.backward()
-    model = spec.build(0)
-    loop = hf_parallel.ExactLoop()
-    batches = [default_data_collator(rows[:3]), default_data_collator(rows[3:])]
-    for step in loop.steps(batches, accumulation_steps=2):
-        for batch in step:
-            step.loss(model, batch).backward()
-        assert step.logged_loss() == pytest.approx(loss.item(), rel=TOL)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert max_relative_diff(grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}) < TOL
+    rows = CASES[case].rows(TRAIN_ROWS, 1)
+    loss, reference = own_step(CASES[case], rows)
+    logged, grads = exact_loop_step(CASES[case], rows)
+    assert logged == pytest.approx(loss, rel=TOL)
+    assert max_relative_diff(grads, reference) < TOL
