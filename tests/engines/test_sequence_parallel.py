@@ -38,7 +38,9 @@ from tests.tiny import ListDataset
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
-pytestmark = pytest.mark.slow
+# `full`: kept out of the default suite's 10 minutes (a spawn of 2 ranks running DeepSpeed); .ci/run runs it in its own
+# step, in the environment that has deepspeed.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 SP_SIZE, PER_DEVICE, EVAL_ROWS = 2, 4, 7
 STAGES = (1, 2, 3)

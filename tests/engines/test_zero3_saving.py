@@ -27,7 +27,9 @@ from tests.heads import CASES
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
-pytestmark = pytest.mark.slow
+# `full`: kept out of the default suite's 10 minutes (a spawn of 2 ranks running DeepSpeed); .ci/run runs it in its own
+# step, in the environment that has deepspeed.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 CASE = "llama_causal_lm"
 DEADLINE_S = 300
