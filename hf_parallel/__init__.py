@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it. Loaded on first use (PEP 562), so that `hf-parallel --help` and
-# `import hf_parallel.cli` do not pay for importing torch and transformers.
+# The public names, each with the module that defines it: the one list `__all__` is made from. Loaded on first use
+# (PEP 562), so that `hf-parallel --help` does not pay for importing torch and transformers.
 _EXPORTS = {
     "Trainer": "trainer",
     "TrainingArguments": "training_args",
@@ -39,43 +35,19 @@ _EXPORTS = {
     "LoopStep": "loop",
 }
 
-__all__ = [
-    "Trainer",
-    "TrainingArguments",
-    "TrainerMixin",
-    "Seq2SeqTrainer",
-    "Seq2SeqTrainingArguments",
-    "BalancedDataParallel",
-    "ExactDataParallel",
-    "balanced_chunk_sizes",
-    "suggest_gpu0_bsz",
-    "unwrap_model",
-    "load_state_dict",
-    "check_reload",
-    "CleanCheckpointCallback",
-    "PeakMemoryCallback",
-    "Gpu0BszAdvisorCallback",
-    "SequenceEmbedder",
-    "embed_dataset",
-    "pool_hidden_states",
-    "shard_batches",
-    "POOLING_METHODS",
-    "release_distributed",
-    "ExactLoop",
-    "LoopStep",
-    "__version__",
-]
+__all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback
-    from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz
-    from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches
-    from .launch.teardown import release_distributed
-    from .loop import ExactLoop, LoopStep
-    from .saving.checkpoints import check_reload, load_state_dict
-    from .saving.unwrap import unwrap_model
-    from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin
-    from .training_args import Seq2SeqTrainingArguments, TrainingArguments
+    # For type checkers and IDEs; the names are public through `__all__`, made from `_EXPORTS`.
+    from .callbacks import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback  # noqa: F401
+    from .data_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, suggest_gpu0_bsz  # noqa: F401
+    from .inference import POOLING_METHODS, SequenceEmbedder, embed_dataset, pool_hidden_states, shard_batches  # noqa: F401
+    from .launch.teardown import release_distributed  # noqa: F401
+    from .loop import ExactLoop, LoopStep  # noqa: F401
+    from .saving.checkpoints import check_reload, load_state_dict  # noqa: F401
+    from .saving.unwrap import unwrap_model  # noqa: F401
+    from .trainer import Seq2SeqTrainer, Trainer, TrainerMixin  # noqa: F401
+    from .training_args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401
 
 
 def __getattr__(name: str):
@@ -88,47 +60,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-# Modules that moved when the package was laid out by purpose, by old path: `import hf_parallel.unwrap` and
-# `from hf_parallel.chunking import ...` keep giving the same module object, with a DeprecationWarning naming its home.
-_MOVED = {
-    "chunking": "data_parallel.chunking",
-    "scatter": "data_parallel.scatter",
-    "replication": "data_parallel.replication",
-    "guards": "launch.guards",
-    "launch_env": "launch.environment",
-    "teardown": "launch.teardown",
-    "validation": "launch.validation",
-    "unwrap": "saving.unwrap",
-    "checkpoints": "saving.checkpoints",
-    "exact.ctc": "exact.heads.ctc",
-    "exact.decoder": "exact.heads.decoder",
-    "exact.frames": "exact.heads.frames",
-    "exact.router": "exact.heads.router",
-    "exact.segmentation": "exact.heads.segmentation",
-    "exact.contrastive": "exact.heads.contrastive",
-    "exact.counts": "exact.terms",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds a moved module's old path (after every other finder) and loads it as the module at its new path."""
-
-    def find_spec(self, fullname: str, path=None, target=None):
-        prefix = f"{__name__}."
-        if not fullname.startswith(prefix) or fullname[len(prefix) :] not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        new = f"{__name__}.{_MOVED[spec.name[len(__name__) + 1 :]]}"
-        warnings.warn(f"{spec.name} moved to {new}; import it from there.", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
-
-    def exec_module(self, module) -> None:
-        """The module at the new path is already executed."""
-
-
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())

@@ -14,22 +14,23 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
-from .engines.deepspeed import (
-    before_engine,
-    sequence_parallel_gradient_ranks,
-    sequence_shards,
-    whole_valued,
-)
+from .engines.deepspeed import before_engine, deepspeed_version, sequence_shards
 from .exact import (
+    REAL_ROWS_KEY,
+    Engine,
     ExactLoss,
     LossHead,
     RunContext,
+    SteadyStep,
     StepCounts,
     count_samples,
     gather_samples,
+    is_data_parallel,
     micro_batch_loss,
+    pick_engine,
     pull_batches,
     replica_autocast,
+    steady_step,
     stock_compute_loss,
     stock_replica_precision,
     stock_training_step,
@@ -108,10 +109,10 @@ class TrainerMixin:
             router_balance=self.args.router_balance,
             gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
-        if self.get_sp_size() > 1 and self.is_deepspeed_enabled:
-            self.exact.gradient_ranks = sequence_parallel_gradient_ranks(
-                self.accelerator.num_processes, self.get_sp_size(), self.accelerator.state.deepspeed_plugin.zero_stage
-            )
+        #: The run's engine and its steady step (`hf_parallel.exact.step`): picked at the first step of `train()`;
+        #: the steady step once the check of the head has settled.
+        self._engine: Engine | None = None
+        self._steady: SteadyStep | None = None
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(
                 "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
@@ -148,19 +149,51 @@ class TrainerMixin:
         if not self.args.exact_loss:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         # Stock's loop without its count: the stock count costs a collective under DDP, and the exact one replaces it.
-        batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state)
+        engine = self._engine or self._pick_engine()
+        reads_end = engine.pads_epoch_end or engine.shards_sequence
+        batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state, reads_end)
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
-        sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
+        if self._steady is not None and end is None:
+            return batch_samples, self._steady.count(batch_samples, device)
+        return batch_samples, self._whole_step_counts(batch_samples, end, device)
+
+    def _pick_engine(self) -> Engine:
+        """The run's engine (`hf_parallel.exact.engine`), picked once, at the first step."""
+        accelerator, exact = self.accelerator, self.exact
+        sequence = self.get_sp_size() if self.is_deepspeed_enabled else 1
+        stage = accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        self._engine = exact.engine = pick_engine(
+            exact.num_processes,
+            reduce_sum=exact.reduce_sum,
+            data_parallel=is_data_parallel(self.model_wrapped),
+            deepspeed_stage=stage,
+            sequence_parallel=sequence,
+            deepspeed_version=deepspeed_version() if sequence > 1 else None,
+            name=None if self.is_deepspeed_enabled else str(accelerator.distributed_type.value),
+        )
+        return self._engine
+
+    def _whole_step_counts(self, batch_samples: list[dict], end, device: torch.device) -> Any:
+        """A step's counts the whole way (the first steps, an epoch's padded last step, the heads and engines the
+        steady step does not take); the steady step is set up once the check of the head has settled."""
+        engine = self._engine
+        if engine.shards_sequence:
+            sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
         head = self._exact_head(batch_samples[0])
         if not self.exact.usable(head, batch_samples):
-            return batch_samples, self._get_num_items_in_batch(batch_samples, device)
-        if self.compute_loss_func is None:  # a user loss sees whole batches: it cannot leave padding rows out
-            # Under sequence parallelism each micro-batch is a shard of another rank's rows: not marked (see docs).
-            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last and self.get_sp_size() == 1
+            return self._get_num_items_in_batch(batch_samples, device)
+        if self.compute_loss_func is None and engine.pads_epoch_end:  # a user loss sees whole batches, padding too
+            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             self.exact.mark_padding(head, batch_samples, end, self.accelerator.process_index, pads)
         model = self.model_wrapped  # what the micro-batches run through (a MoE router's first pass)
-        return batch_samples, self.exact.count_step(head, batch_samples, device, self._main_input_name(), model)
+        counts = self.exact.count_step(head, batch_samples, device, self._main_input_name(), model)
+        if self._steady is None:
+            settled = self.exact.settled(self.model, self.compute_loss_func)
+            user_loss = self.compute_loss_func is not None
+            unwrap = self.accelerator.unwrap_model
+            self._steady = steady_step(engine, head, settled, user_loss, self._main_input_name(), unwrap)
+        return counts
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")
@@ -168,6 +201,12 @@ class TrainerMixin:
     def training_step(
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
     ) -> torch.Tensor:
+        if self._steady is not None and isinstance(num_items_in_batch, StepCounts):
+            scaled, self.loss_is_scaled_for_ga = self.loss_is_scaled_for_ga, True  # see below
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self.loss_is_scaled_for_ga = scaled
         if not isinstance(num_items_in_batch, StepCounts) or self._exact_head(inputs) is None:
             # Stock's, also for the rest of a step whose first micro-batch fell back (the model's own loss is not
             # one hf_parallel can recompute): that step was counted as exact.
@@ -185,6 +224,9 @@ class TrainerMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        if self._steady is not None and isinstance(num_items_in_batch, StepCounts) and REAL_ROWS_KEY not in inputs:
+            loss, outputs = self._steady.loss(model, inputs, num_items_in_batch)
+            return (loss, outputs if isinstance(outputs, dict) else (loss, *outputs)) if return_outputs else loss
         head = self._exact_head(inputs)
         if head is None or not head.has_labels(inputs):
             count = StepCounts.as_stock(num_items_in_batch)
@@ -205,7 +247,7 @@ class TrainerMixin:
         )
         loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
         if step is not None:
-            loss = whole_valued(loss, self.exact.num_processes, self.exact.gradient_ranks)
+            loss = self.exact.engine.valued(loss)
         if not return_outputs:
             return loss
         if outputs is None:
@@ -280,6 +322,7 @@ class TrainerMixin:
     ):
         check_not_empty(self.train_dataset, "train_dataset")
         self._check_engine()
+        self._engine = self._steady = None  # picked again at the first step: the model may be another (model_init)
         # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
         # global batch than the checkpoint's warned: before anything is loaded.
         resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, self.accelerator.num_processes)

@@ -24,12 +24,11 @@ from .zero3 import gather_on_save
 __all__ = [
     "before_engine",
     "check_loop_engine",
+    "deepspeed_version",
     "is_deepspeed_engine",
     "mark_boundary",
     "scalar_parameter_problem",
-    "sequence_parallel_gradient_ranks",
     "sequence_shards",
-    "whole_valued",
 ]
 
 
@@ -107,26 +106,8 @@ def mark_boundary(engine, last: bool) -> None:
     engine.set_gradient_accumulation_boundary(last)
 
 
-# deepspeedai/DeepSpeed#8854 (in 0.20.2): ZeRO-3 adds the sequence-parallel ranks' gradients, as ZeRO 1 and 2 do;
-# before, it averaged them over the sequence-data-parallel group.
-_ZERO3_ADDS_SP_FROM = (0, 20, 2)
-
-
-def sequence_parallel_gradient_ranks(num_processes: int, sp_size: int, zero_stage: int | None) -> int:
-    """
-    The factor that undoes DeepSpeed's gradient averaging under Ulysses sequence parallelism (`sp_size` ranks share
-    each row, split along the sequence; each holds its own shifted labels): ZeRO 1 and 2 average over the
-    data-parallel ranks (`num_processes / sp_size`) and add the SP ranks' parts; ZeRO-3 before deepspeed 0.20.2
-    averages over all of them. Each rank back-propagates its shard's token-loss sum over the whole step's count times
-    this factor, and the engine's combination gives the loss of one device on the whole step.
-    """
-    data_parallel = num_processes // sp_size
-    if zero_stage == 3 and _deepspeed_version() < _ZERO3_ADDS_SP_FROM:
-        return num_processes
-    return data_parallel
-
-
-def _deepspeed_version() -> tuple[int, ...]:
+def deepspeed_version() -> tuple[int, ...]:
+    """The installed DeepSpeed's release, `(major, minor, patch)`."""
     import deepspeed
 
     parts = []
@@ -157,14 +138,3 @@ def sequence_shards(batches: list[dict], end, sp_size: int, warn_once) -> None:
             "set whose size divides by per_device_train_batch_size x the number of processes, or "
             "dataloader_drop_last=True."
         )
-
-
-def whole_valued(loss, num_processes: int, gradient_ranks: int):
-    """
-    A rank's exact loss under sequence parallelism, valued as a DDP rank's (its share times `num_processes`, so that
-    the Trainer's mean over every rank logs the step's loss) while its gradient stays the share times
-    `gradient_ranks`, which is what the engine's combination of the ranks' gradients needs.
-    """
-    if gradient_ranks == num_processes:
-        return loss
-    return loss + loss.detach() * (num_processes / gradient_ranks - 1)

@@ -46,6 +46,7 @@ one warning. The path of one micro-batch, the check and how to add a head family
 from .check import MAX_CHECKS, ModelLossCheck
 from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import ExactLoss
+from .engine import Engine, pick_engine
 from .fallback import stock_compute_loss, stock_training_step
 from .forward import RunContext, micro_batch_loss
 from .heads import (
@@ -60,7 +61,7 @@ from .heads import (
     token_losses,
 )
 from .heads.contrastive import rows_of
-from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, pull_batches, real_rows
+from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, real_rows
 from .replicas import (
     AUTOCAST_DTYPES,
     caller_autocast,
@@ -70,6 +71,7 @@ from .replicas import (
     stock_replica_precision,
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+from .step import SteadyStep, pull_batches, steady_step
 from .streams import count_samples, gather_samples
 from .terms import EvalTotals, StepCounts, Terms, batch_device, sequence_length
 
@@ -79,6 +81,7 @@ __all__ = [
     "MAX_CHECKS",
     "REAL_ROWS_KEY",
     "CrossEntropyHead",
+    "Engine",
     "EpochEnd",
     "EvalTotals",
     "ExactLoss",
@@ -93,6 +96,7 @@ __all__ = [
     "Route",
     "RunContext",
     "SamplerPadding",
+    "SteadyStep",
     "StepCounts",
     "Terms",
     "UnsupportedHead",
@@ -104,6 +108,7 @@ __all__ = [
     "gather_samples",
     "is_data_parallel",
     "micro_batch_loss",
+    "pick_engine",
     "pull_batches",
     "real_rows",
     "replica_autocast",
@@ -113,6 +118,7 @@ __all__ = [
     "routed",
     "rows_of",
     "sequence_length",
+    "steady_step",
     "stock_compute_loss",
     "stock_replica_precision",
     "stock_training_step",

@@ -183,6 +183,10 @@ class ModelLossCheck:
         """Whether the check of the model of `key` is decided (or never started)."""
         return self._checks.get(key, -1) < 0
 
+    def concluded(self, key: tuple) -> bool:
+        """Whether the check of the model of `key` ran and is decided."""
+        return self._checks.get(key, 0) < 0
+
     @contextlib.contextmanager
     def watching_decoder(
         self, candidates: tuple[LossHead, ...] | None, model: nn.Module, inputs: dict

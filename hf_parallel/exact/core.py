@@ -22,6 +22,7 @@ from transformers.utils import logging
 
 from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
+from .engine import pick_engine
 from .fallback import FALLBACK_NOTE
 from .heads import CrossEntropyHead, LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
@@ -99,9 +100,9 @@ class ExactLoss:
         self.label_names = label_names
         self.label_smoothing = label_smoothing
         self.num_processes = num_processes
-        #: The factor that undoes the gradient averaging of the run: the number of processes under DDP, FSDP and
-        #: ZeRO; under DeepSpeed's sequence parallelism only its data-parallel ranks (it adds the SP ranks' parts).
-        self.gradient_ranks = num_processes
+        #: The engine the steps run on (`hf_parallel.exact.engine`): its ranks' counts add up, its gradient factor
+        #: scales S / C. One process or DDP from `num_processes` until the caller picks the run's own.
+        self.engine = pick_engine(num_processes, reduce_sum=reduce_sum)
         self.reduce_sum = reduce_sum
         self.gather_rows = gather_rows or (lambda rows: rows)
         self.unwrap = unwrap or (lambda model: model)
@@ -180,6 +181,17 @@ class ExactLoss:
         """
         return all(head is None or key[2] or self.check.decided(key) for key, (_, head) in self._heads.items())
 
+    def settled(self, model: nn.Module, loss_func: Callable | None = None) -> bool:
+        """
+        Whether the head of `model` is chosen for good: cached, and either the stock loss, a `compute_loss_func`'s
+        head (its own judge), or a head whose check against the model's own loss ran and is decided.
+        """
+        key = self._key(model, loss_func)
+        cached = self._heads.get(key)
+        if cached is None or cached[0] is not model:
+            return False
+        return cached[1] is None or key[2] or self.check.concluded(self._key(model, None))
+
     @staticmethod
     def _key(model: nn.Module, loss_func: Callable | None) -> tuple:
         # Asked twice a micro-batch, keyed on what can change: the model (model_init), a classifier's problem_type.
@@ -255,7 +267,7 @@ class ExactLoss:
         else:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.reduce_sum(counts), self.gradient_ranks, len(batches), router)
+            step = StepCounts(self.reduce_sum(counts), self.engine.gradient_factor, len(batches), router)
         self._counted = (step, batches, device, main_input_name, None if model is None else weakref.ref(model))
         self._recounted = None
         return step

@@ -116,7 +116,7 @@ def micro_batch_loss(
         context (`RunContext`): what stays the same over the run.
         return_outputs (`bool`, *optional*): return the outputs too.
     """
-    if getattr(head, "batch_coupled", False):
+    if head.batch_coupled:
         # Each row's loss depends on the others of the batch: computed on the whole step's embeddings.
         return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
     owner = model if context.owner is None else context.owner

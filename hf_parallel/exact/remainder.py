@@ -43,7 +43,6 @@ __all__ = [
     "mark_padding",
     "mask_padding",
     "packed_sample_ids",
-    "pull_batches",
     "real_rows",
     "row_mask",
     "sample_ids_of",
@@ -63,21 +62,6 @@ class EpochEnd:
 
     remainder: int
     counted: bool = False
-
-
-def pull_batches(epoch_iterator, num_batches: int, gradient_state) -> tuple[list, EpochEnd | None]:
-    """
-    Up to `num_batches` batches of `epoch_iterator` (the stock loop), and whether the last one ends the epoch, read
-    from accelerate's `GradientState` right after it was pulled (its dataloader is gone once the iterator is spent).
-    """
-    batches, end = [], None
-    for _ in range(num_batches):
-        try:
-            batches.append(next(epoch_iterator))
-        except StopIteration:
-            break
-        end = epoch_end(gradient_state) or end
-    return batches, end
 
 
 def epoch_end(gradient_state) -> EpochEnd | None:

@@ -508,12 +508,6 @@ def test_unwritable_output_is_one_line_naming_the_path(gpus, tmp_path, capsys, m
     assert f"cannot write {path} ({error.strerror}); pass -o a path in a directory you can write to." in err
 
 
-def test_old_import_path_still_works():
-    from hf_parallel import cli
-
-    assert cli.main is main and cli.plan_config is plan_config and cli.trainer_mode is trainer_mode
-
-
 # ---- no torch for --help and config ----
 
 # Runs main(argv) in a fresh interpreter, then says which heavy modules were imported.

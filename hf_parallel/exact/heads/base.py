@@ -235,6 +235,9 @@ class LossHead:
     #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
     #: exact over the whole batch by `hf_parallel.exact.heads.router`; None for a model without one.
     router = None
+    #: Whether each row's loss depends on the other rows of the batch (a contrastive loss): the loss is computed on
+    #: the whole step's embeddings (`hf_parallel.exact.coupled`), not as a sum over rows.
+    batch_coupled: bool = False
 
     def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
         self.label_keys = tuple(label_keys)
@@ -246,6 +249,12 @@ class LossHead:
     @property
     def num_terms(self) -> int:
         return len(self.weights)
+
+    @property
+    def needs_more_than_a_forward(self) -> bool:
+        """Whether a micro-batch's loss needs more than one forward and the head's sums: a loss over the whole
+        step's rows, a router term, or what the model passes to its own loss call (the steady step is one forward)."""
+        return self.batch_coupled or self.router is not None or bool(self.loss_call_arguments or self.captured_outputs)
 
     def has_labels(self, batch) -> bool:
         """Whether `batch` holds every label key of this head."""

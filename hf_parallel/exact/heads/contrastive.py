@@ -124,7 +124,6 @@ class ContrastiveHead(LossHead):
     the loss is not a sum over them).
     """
 
-    #: Each row's loss depends on the other rows of the batch: `micro_batch_loss` hands it to `contrastive_loss`.
     batch_coupled = True
 
     def __init__(self, variant: ContrastiveVariant):

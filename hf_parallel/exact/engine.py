@@ -1,0 +1,112 @@
+"""
+The engines a training step runs on, each declared once: which ranks' item counts add up to the step's count C, the
+factor its gradient combination needs (S / C times it), how its loss is valued for the log, and which rooms of the
+package it needs (DataParallel replicas, the padded last step of a DDP epoch, sequence shards). A run picks its engine
+once, at its first step (`pick_engine`); the step reads it, and no micro-batch asks again.
+
+| engine | counts added over | gradient factor | logged as | rooms |
+|---|---|---|---|---|
+| one process | this process | 1 | the loss | |
+| DataParallel replicas | this process (the replicas' rows) | 1 | the loss | replicas |
+| DDP, FSDP, DeepSpeed ZeRO | every rank | N (they average gradients) | the mean over ranks | epoch padding |
+| Ulysses SP | every rank (its shard's targets) | N / SP | the mean over ranks, x SP | sequence shards |
+
+Why the factors: DDP, FSDP and ZeRO average the ranks' gradients, so each rank back-propagates its sum over the
+whole step's count times N, and the average is the one-device gradient; DeepSpeed's Ulysses averages over the
+data-parallel ranks only and adds the sequence-parallel ranks' parts (ZeRO-3 before deepspeed 0.20.2 averages over
+all of them: factor N).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Engine", "pick_engine"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """
+    How one engine combines a step: declared, not probed.
+
+    Args:
+        name (`str`): what it is, for messages.
+        count_ranks (`int`, *optional*, defaults to 1): the processes whose item counts add up to the step's count
+            (`reduce_sum` adds them).
+        gradient_factor (`int`, *optional*, defaults to 1): each rank back-propagates S / C times this.
+        log_ranks (`int`, *optional*, defaults to 1): the ranks the Trainer's logged loss is a mean over; a rank's
+            loss is valued x `log_ranks / gradient_factor` for the log (its gradient unchanged).
+        replicas (`bool`, *optional*): the forward runs in `nn.DataParallel` replicas (`hf_parallel.exact.replicas`).
+        pads_epoch_end (`bool`, *optional*): accelerate fills an epoch's last global batch with repeated rows, to be
+            told apart (`hf_parallel.exact.remainder`).
+        shards_sequence (`bool`, *optional*): each rank holds a shard of other ranks' rows (Ulysses).
+        reduce_sum (`Callable`, *optional*): sums a tensor over the `count_ranks` processes.
+    """
+
+    name: str
+    count_ranks: int = 1
+    gradient_factor: int = 1
+    log_ranks: int = 1
+    replicas: bool = False
+    pads_epoch_end: bool = False
+    shards_sequence: bool = False
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def valued(self, loss: torch.Tensor) -> torch.Tensor:
+        """A rank's loss, valued for the log as one DDP rank's share of the step (its gradient unchanged)."""
+        if self.log_ranks == self.gradient_factor:
+            return loss
+        return loss + loss.detach() * (self.log_ranks / self.gradient_factor - 1)
+
+
+def pick_engine(
+    processes: int,
+    *,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    data_parallel: bool = False,
+    deepspeed_stage: int | None = None,
+    sequence_parallel: int = 1,
+    deepspeed_version: tuple[int, ...] | None = None,
+    name: str | None = None,
+) -> Engine:
+    """
+    The engine of a run, from what it was launched with.
+
+    Args:
+        processes (`int`): the data-parallel processes (1 without a process group).
+        reduce_sum (`Callable`, *optional*): sums a tensor over them (needed when `processes > 1`).
+        data_parallel (`bool`, *optional*): the model runs in an `nn.DataParallel` wrapper.
+        deepspeed_stage (`int`, *optional*): the ZeRO stage under DeepSpeed, None without it.
+        sequence_parallel (`int`, *optional*, defaults to 1): DeepSpeed's Ulysses sequence-parallel size.
+        deepspeed_version (`tuple[int, ...]`, *optional*): DeepSpeed's release (read where SP runs under ZeRO-3).
+        name (`str`, *optional*): what the ranks run, for messages (accelerate's distributed type: `MULTI_GPU`,
+            `FSDP`, ...); `DDP` when not given.
+
+    ```python
+    from hf_parallel.exact.engine import pick_engine
+
+    pick_engine(1).name  # 'one process'
+    ```
+    """
+    if processes > 1 and reduce_sum is None:
+        raise ValueError(f"An engine over {processes} processes needs reduce_sum to count the whole step.")
+    if processes <= 1:
+        if data_parallel:
+            return Engine("DataParallel replicas", replicas=True)
+        return Engine("one process")
+    if sequence_parallel > 1:
+        # deepspeedai/DeepSpeed#8854 (in 0.20.2): ZeRO-3 adds the sequence-parallel ranks' gradients as ZeRO 1 and 2
+        # do; before, it averaged them over every rank.
+        averages_all = deepspeed_stage == 3 and (deepspeed_version or (0,)) < _ZERO3_ADDS_SP_FROM
+        factor = processes if averages_all else processes // sequence_parallel
+        name = f"DeepSpeed ZeRO-{deepspeed_stage} with Ulysses sequence parallelism x{sequence_parallel}"
+        return Engine(name, processes, factor, processes, shards_sequence=True, reduce_sum=reduce_sum)
+    if deepspeed_stage is not None:
+        name = f"DeepSpeed ZeRO-{deepspeed_stage}"
+    return Engine(name or "DDP", processes, processes, processes, pads_epoch_end=True, reduce_sum=reduce_sum)
+
+
+_ZERO3_ADDS_SP_FROM = (0, 20, 2)
