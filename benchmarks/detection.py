@@ -1,9 +1,10 @@
 """
-DETR-style detection, stock against hf_parallel: the tiny DETR, Deformable DETR and YOLOS of `tests/detection.py`,
-one SGD step over 8 images (0 to 4 boxes each) and an evaluation of 7, under gradient accumulation 2 (in process) and
-2-rank DDP (spawned CPU ranks), each side against one process on the same images. Printed per model and topology: the
-logged loss, the eval loss (as ratios to one process's) and how far the gradient is off (relative to its largest
-entry), for stock `transformers.Trainer` and for `hf_parallel.Trainer`, measured in the same run.
+DETR-style detection, stock against hf_parallel: the tiny DETR, Deformable DETR and YOLOS of
+`tests/helpers/detection.py`, one SGD step over 8 images (0 to 4 boxes each) and an evaluation of 7, under gradient
+accumulation 2 (in process) and 2-rank DDP (spawned CPU ranks), each side against one process on the same images.
+Printed per model and topology: the logged loss, the eval loss (as ratios to one process's) and how far the gradient is
+off (relative to its largest entry), for stock `transformers.Trainer` and for `hf_parallel.Trainer`, measured in the
+same run.
 
     python -m benchmarks.detection 2>/dev/null          # GA 2 and DDP 2 (about a minute on 2 cores)
     python -m benchmarks.detection --no-ddp 2>/dev/null  # GA 2 only
@@ -14,8 +15,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from tests.detection import CASES
-from tests.harness import DDP2, GA2, SINGLE, max_relative_diff, run_case, run_ddp_runs
+from tests.helpers.detection import CASES
+from tests.helpers.harness import DDP2, GA2, SINGLE, max_relative_diff, run_case, run_ddp_runs
 
 __all__ = ["main", "measure"]
 

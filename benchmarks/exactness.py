@@ -23,9 +23,9 @@ import warnings
 import torch
 import transformers
 
-from tests.epochs import EPOCH, update_error
-from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
-from tests.heads import CASES
+from tests.helpers.epochs import EPOCH, update_error
+from tests.helpers.harness import SINGLE, TRAIN_ROWS, Topology, run_case, run_ddp, run_ddp_runs
+from tests.helpers.heads import CASES
 
 DDP2 = Topology("DDP 2 ranks", per_device=TRAIN_ROWS // 2, processes=2)
 # (label, case, topology, training rows, extra TrainingArguments)

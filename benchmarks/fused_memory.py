@@ -11,8 +11,8 @@ ratios; the same for the plain (unpatched) LM as a control, and for a Mixtral-sh
 
 Workload: a LlamaForCausalLM from a config with a Llama-3 vocabulary (V = 128256), T = 128, 4 rows per device batch,
 gradient accumulation 2, hidden size 64 and 2 layers, so that the `[rows, T, V]` logits dominate; labels -100 on
-padding (uneven lengths). The fused LM is the plain one with `tests.fused.fuse_loss` applied to the instance after it
-is built (a CPU stand-in for Liger, whose Triton kernel needs a GPU: chunks of `--chunk-size` rows, each under
+padding (uneven lengths). The fused LM is the plain one with `tests.helpers.fused.fuse_loss` applied to the instance
+after it is built (a CPU stand-in for Liger, whose Triton kernel needs a GPU: chunks of `--chunk-size` rows, each under
 activation checkpointing, so no more than one chunk's logits ever exist); the trainers are built with
 `use_liger_kernel=False`, since liger-kernel is not installed here. On a GPU with liger-kernel installed, `--liger`
 builds them with `use_liger_kernel=True` instead (transformers then patches the model itself; the stand-in's record of
@@ -50,7 +50,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from benchmarks.overhead import MALLOC_ENV, REPO_ROOT, _peak, _reset_peak, _sides
 from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.launch.validation import check_whole_number
-from tests.fused import fuse_loss
+from tests.helpers.fused import fuse_loss
 
 WORKLOADS = ("fused", "plain", "moe")
 SIDE_CLASSES = {
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"torch {torch.__version__}, transformers {transformers.__version__}; V={sizes.vocab} T={sizes.seq} "
         f"hidden={sizes.hidden} layers={sizes.layers} rows/device={sizes.rows} GA={sizes.grad_accum} "
         f"chunk={sizes.chunk} rows; {options.steps} steps, median of {options.rounds} rounds; "
-        f"{'use_liger_kernel=True' if options.liger else 'fused stand-in (tests.fused)'}"
+        f"{'use_liger_kernel=True' if options.liger else 'fused stand-in (tests.helpers.fused)'}"
     )
     results = measure(sizes, options.rounds, options.steps, options.liger, workloads=options.workloads)
     print("\n".join(table(results)))

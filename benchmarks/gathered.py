@@ -16,8 +16,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from tests.harness import TRAIN_ROWS, Topology, run_case
-from tests.heads import SEQ, Case, llama, lm_rows
+from tests.helpers.harness import TRAIN_ROWS, Topology, run_case
+from tests.helpers.heads import SEQ, Case, llama, lm_rows
 
 
 @dataclass(frozen=True)

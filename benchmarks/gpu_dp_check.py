@@ -29,7 +29,7 @@ import transformers
 import hf_parallel
 from hf_parallel import BalancedDataParallel, ExactDataParallel
 from hf_parallel.testing import simulate_data_parallel, simulated_training_args
-from tests.heads import CASES
+from tests.helpers.heads import CASES
 
 MODELS = ("gpt2_causal_lm", "llama_causal_lm")  # tied embeddings, untied
 WRAPPERS = ("even", "gpu0_bsz=0", "gpu0_bsz=1")

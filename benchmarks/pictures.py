@@ -26,9 +26,9 @@ from pathlib import Path
 import transformers
 
 from benchmarks.gathered import configurations, step_bytes
-from tests.harness import Topology, run_case, run_ddp_runs
-from tests.heads import Case
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import Topology, run_case, run_ddp_runs
+from tests.helpers.heads import Case
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 
 def _classifier(seed: int):

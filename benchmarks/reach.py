@@ -67,7 +67,7 @@ from benchmarks.reach_runs import (
     whole_loss,
 )
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.heads import VOCAB, _bart, _lora, llama, lm_rows, seq2seq_rows
+from tests.helpers.heads import VOCAB, _bart, _lora, llama, lm_rows, seq2seq_rows
 
 # ---- The cases: what runs in the DDP ranks, then the rows of the table ----
 

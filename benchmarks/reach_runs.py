@@ -16,7 +16,7 @@ from transformers import BertConfig, PrinterCallback
 from transformers.training_args import ParallelMode
 
 import hf_parallel
-from tests.heads import VOCAB, _padded, lm_rows
+from tests.helpers.heads import VOCAB, _padded, lm_rows
 
 LR = 0.5
 STOCK = (transformers.Trainer, transformers.TrainingArguments)

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_parallel.launch.environment import LAUNCH_VARIABLES, WORLD_SIZE_VARIABLES  # noqa: E402
-from tests.harness import record_hf_parallel_log  # noqa: E402
+from tests.helpers.harness import record_hf_parallel_log  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def no_gpus(monkeypatch):
     not change on a GPU machine. torch finds no GPU, and so do transformers (`TrainingArguments.n_gpu`, the device),
     accelerate (`PartialState`), `nn.DataParallel` (which, on one GPU, moves the model to it when built) and
     hf_parallel, since they all ask `torch.cuda`. CUDA counts as never initialised, as without a GPU, even after an
-    earlier test initialised it. Processes the test starts need `NO_GPUS` (tests/paths.py) in their environment
+    earlier test initialised it. Processes the test starts need `NO_GPUS` (tests/helpers/paths.py) in their environment
     instead. Returns `monkeypatch`.
     """
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

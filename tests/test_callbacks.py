@@ -18,10 +18,10 @@ from hf_parallel import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMem
 from hf_parallel.exact import ExactLoss, ReplicaCheck, Terms, candidate_heads
 from hf_parallel.saving.checkpoints import checkpoint_weight_files, stored_keys
 from hf_parallel.testing import simulate_data_parallel
-from tests.harness import Topology, assert_same_weights, run_case, training_args, weights_of
-from tests.heads import CLASSIFIER
-from tests.setups import assert_clean_checkpoint, setup_case
-from tests.tiny import tiny_bert_classifier
+from tests.helpers.harness import Topology, assert_same_weights, run_case, training_args, weights_of
+from tests.helpers.heads import CLASSIFIER
+from tests.helpers.setups import assert_clean_checkpoint, setup_case
+from tests.helpers.tiny import tiny_bert_classifier
 
 NAN = float("nan")
 

@@ -1,8 +1,8 @@
 """
-The README and the docs site say what is true today: every Python code block runs (tests/docs_blocks.py), the README
-stays short and its links resolve, its set-up and test commands are the ones CI runs, and the command reference
-lists every option of `hf-parallel`. The site's own links and API references are checked by its strict build
-(`mkdocs build --strict` in .ci/run).
+The README and the docs site say what is true today: every Python code block runs (tests/helpers/docs_blocks.py), the
+README stays short and its links resolve, its set-up and test commands are the ones CI runs, and the command reference
+lists every option of `hf-parallel`. The site's own links and API references are checked by its strict build (`mkdocs
+build --strict` in .ci/run).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 import pytest
 
 from hf_parallel.commands.main import build_parser
-from tests.docs_blocks import ROOT, SKIP_REASONS, markdown_pages, python_blocks, run_page
-from tests.docs_setups import SETUPS
+from tests.helpers.docs_blocks import ROOT, SKIP_REASONS, markdown_pages, python_blocks, run_page
+from tests.helpers.docs_setups import SETUPS
 
 PAGES = markdown_pages()
 README = ROOT / "README.md"

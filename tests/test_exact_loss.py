@@ -14,8 +14,8 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 import hf_parallel
 from hf_parallel import Trainer
-from tests.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
-from tests.harness import (
+from tests.helpers.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
+from tests.helpers.harness import (
     SGD_STEP,
     SINGLE,
     TRAIN_ROWS,
@@ -28,8 +28,8 @@ from tests.harness import (
     run_ddp_runs,
     training_args,
 )
-from tests.heads import CASES, lm_rows
-from tests.tiny import ListDataset
+from tests.helpers.heads import CASES, lm_rows
+from tests.helpers.tiny import ListDataset
 
 TOL = 1e-5
 CASE_NAMES = tuple(CASES)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from examples import embed as embed_example
 from examples.data import make_reads
-from tests.paths import NO_GPUS, ROOT, repo_env
-from tests.processes import run_together
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.processes import run_together
 
 READS = ROOT / "examples" / "data" / "reads.fastq"
 

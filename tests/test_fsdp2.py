@@ -36,9 +36,10 @@ from transformers import LlamaForCausalLM
 
 from hf_parallel import ExactLoop, Trainer, TrainingArguments
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import SGD_STEP, Capture, record_hf_parallel_log, training_args
-from tests.heads import llama, lm_rows
-from tests.tiny import ListDataset
+from tests.helpers.harness import SGD_STEP, Capture, record_hf_parallel_log, training_args
+from tests.helpers.heads import llama, lm_rows
+from tests.helpers.reference import sgd_reference, steps_of
+from tests.helpers.tiny import ListDataset
 
 TRAIN_ROWS = 10  # steps of 8 rows, then the 2 leftover rows
 STEP_ROWS = 8  # 2 ranks x 2 rows x GA 2
@@ -55,16 +56,12 @@ def build() -> LlamaForCausalLM:
 
 def train_rows() -> list[dict]:
     """
-    The matrix's causal LM rows (tests/heads.py) reordered: valid tokens 5, 2, 1, 1, 8, 3, 8, 2, 8, 3. Each rank's
-    micro-batches hold very uneven numbers of targets; the leftover rows (8, 9) hold 7 and 2, and the rows
+    The matrix's causal LM rows (tests/helpers/heads.py) reordered: valid tokens 5, 2, 1, 1, 8, 3, 8, 2, 8, 3. Each
+    rank's micro-batches hold very uneven numbers of targets; the leftover rows (8, 9) hold 7 and 2, and the rows
     accelerate repeats to fill the Trainer's last step (0, 1) hold 5.
     """
     rows = lm_rows(TRAIN_ROWS, 1)
     return [rows[i] for i in (2, 3, 0, 1, 4, 5, 6, 9, 7, 8)]
-
-
-def _collate(rows: list[dict]) -> dict:
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -75,22 +72,8 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 @functools.cache
 def reference() -> dict:
-    """One process, no hf_parallel: the model's own loss on each step's rows in one forward, SGD by hand."""
-    model, rows = build(), train_rows()
-    init, losses, params = _flat(model), [], []
-    for start in range(0, TRAIN_ROWS, STEP_ROWS):
-        loss = model(**_collate(rows[start : start + STEP_ROWS])).loss
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(LR * p.grad)
-        losses.append(loss.item())
-        params.append(_flat(model))
-    model.eval()
-    with torch.no_grad():
-        eval_loss = model(**_collate(lm_rows(EVAL_ROWS, 2))).loss.item()
-    return {"init": init, "losses": losses, "params": params, "eval_loss": eval_loss}
+    """One process, no hf_parallel: each step's rows in one forward, SGD by hand."""
+    return sgd_reference(build(), steps_of(train_rows(), STEP_ROWS), LR, lm_rows(EVAL_ROWS, 2))
 
 
 # ---- 1. ExactLoop over a model sharded by fully_shard ----

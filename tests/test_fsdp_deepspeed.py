@@ -28,7 +28,7 @@ import transformers
 
 from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.exact import resolve_head
-from tests.harness import (
+from tests.helpers.harness import (
     SGD_STEP,
     SINGLE,
     TRAIN_ROWS,
@@ -38,9 +38,9 @@ from tests.harness import (
     run_case,
     training_args,
 )
-from tests.heads import CASES
-from tests.paths import NO_GPUS, ROOT, repo_env
-from tests.processes import run_together
+from tests.helpers.heads import CASES
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.processes import run_together
 
 TOL = 1e-5
 EVAL_ROWS = 7  # not a multiple of 2 ranks x 2 rows: the distributed evaluation pads with a duplicate

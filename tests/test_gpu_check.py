@@ -17,7 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from benchmarks import gpu_check, gpu_wheels
-from tests.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
 
 # Put first on PYTHONPATH, this hides installed packages as the GPU image lacks them: their import fails with
 # ModuleNotFoundError, `importlib.util.find_spec` returns None and `importlib.metadata` finds no distribution.

@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 import hf_parallel
 from hf_parallel.exact import LossHead
-from tests.harness import SINGLE, TRAIN_ROWS, Topology, run_case
-from tests.tiny import tiny_bert_classifier
+from tests.helpers.harness import SINGLE, TRAIN_ROWS, Topology, run_case
+from tests.helpers.tiny import tiny_bert_classifier
 
 PACKAGE = str(Path(hf_parallel.__file__).parent)
 # torch's own files, told by where torch is installed: a path that merely contains "/torch/" (a virtual environment

@@ -30,10 +30,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hf_parallel import BalancedDataParallel, ExactLoop
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
-from tests.heads import llama
-from tests.paths import NO_GPUS, ROOT, repo_env
-from tests.processes import run_together
-from tests.tiny import TinyRegressor, classification_rows, tiny_bert_classifier
+from tests.helpers.heads import llama, lm_rows
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.processes import run_together
+from tests.helpers.reference import flat_params, sgd_reference, steps_of
+from tests.helpers.tiny import TinyRegressor, classification_rows, tiny_bert_classifier
 
 KINDS = ("cls", "lm")  # a tiny BERT sequence classifier; a tiny Llama causal LM with uneven valid tokens
 MODEL_CLASS = {"cls": "BertForSequenceClassification", "lm": "LlamaForCausalLM"}
@@ -44,7 +45,7 @@ EVAL_ROWS = 7
 EVAL_BATCH = 2  # 7 rows on 2 ranks: the last batch holds a repeat
 LR = {"cls": 0.5, "lm": 1.0}  # plain SGD, large enough that a wrong gradient shows in the weights
 TOLERANCE = 1e-5  # relative, on losses and on parameters (relative to the update)
-VOCAB, SEQ = 64, 12
+VOCAB = 64
 # Valid tokens per training row (the rest of the row is padding labelled -100): 1 gives no target after the shift.
 LM_LENGTHS = (12, 2, 9, 1, 12, 3, 7, 2, 11, 4)
 
@@ -75,63 +76,29 @@ STOCK_ONE_PROCESS = ("accelerate", 4, 2, True)
 def build(kind: str) -> nn.Module:
     if kind == "cls":
         return tiny_bert_classifier(seed=0)
-    return llama(0, vocab_size=VOCAB)  # the matrix's tiny Llama (tests/heads.py), with this file's vocabulary
-
-
-def lm_rows(lengths: list[int], seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=g)
-    rows = []
-    for i, length in enumerate(lengths):
-        mask = (torch.arange(SEQ) < length).long()
-        rows.append({"input_ids": ids[i], "attention_mask": mask, "labels": ids[i].masked_fill(mask == 0, -100)})
-    return rows
+    return llama(0, vocab_size=VOCAB)  # the matrix's tiny Llama (tests/helpers/heads.py), with this file's vocabulary
 
 
 def train_rows(kind: str) -> list[dict]:
     if kind == "cls":
         return list(classification_rows(TRAIN_ROWS, seed=1).rows)
-    return lm_rows(list(LM_LENGTHS), seed=1)
+    return lm_rows(len(LM_LENGTHS), 1, lengths=LM_LENGTHS, vocab=VOCAB)
 
 
 def eval_rows(kind: str) -> list[dict]:
     if kind == "cls":
         return list(classification_rows(EVAL_ROWS, seed=2).rows)
-    return lm_rows([5, 12, 1, 3, 10, 2, 8], seed=2)
-
-
-def _collate(rows: list[dict]) -> dict:
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    return lm_rows(7, 2, lengths=(5, 12, 1, 3, 10, 2, 8), vocab=VOCAB)
 
 
 @functools.cache
 def reference(kind: str, global_batch: int = GLOBAL_BATCH) -> dict:
     """
-    One process, no hf_parallel: the model's own loss on each step's real rows (`global_batch` rows, the epoch's
-    last step fewer) in one forward, SGD by hand.
+    One process, no hf_parallel: each step's real rows (`global_batch` rows, the epoch's last step fewer) in one
+    forward, SGD by hand.
     """
-    model = build(kind)
-    rows, init = train_rows(kind), _flat(model)
-    losses, params = [], []
-    for _ in range(EPOCHS):
-        for start in range(0, TRAIN_ROWS, global_batch):
-            loss = model(**_collate(rows[start : start + global_batch])).loss
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.sub_(LR[kind] * p.grad)
-            losses.append(loss.item())
-            params.append(_flat(model))
-    model.eval()
-    with torch.no_grad():
-        eval_loss = model(**_collate(eval_rows(kind))).loss.item()
-    return {"init": init, "losses": losses, "params": params, "eval_loss": eval_loss}
+    steps = steps_of(train_rows(kind), global_batch, EPOCHS)
+    return sgd_reference(build(kind), steps, LR[kind], eval_rows(kind))
 
 
 # ---- The loops under test ----
@@ -146,7 +113,7 @@ def run_loop(kind: str, framework: str, per_device: int, accumulation: int, stoc
     optimizer step, the evaluation loss and what the loop ran on.
     """
     model = build(kind)
-    init = _flat(model)
+    init = flat_params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR[kind])
     if framework == "accelerate":
         result = _accelerate_loop(kind, model, optimizer, per_device, accumulation, stock)
@@ -176,7 +143,7 @@ def _accelerate_loop(kind, model, optimizer, per_device, accumulation, stock) ->
                 micro.append(accelerator.reduce(loss.detach(), reduction="mean"))
                 if accelerator.sync_gradients:
                     losses.append(torch.stack(micro).mean().item())
-                    params.append(_flat(accelerator.unwrap_model(model)))
+                    params.append(flat_params(accelerator.unwrap_model(model)))
                     micro = []
             continue
         for step in exact.steps(train):
@@ -186,7 +153,7 @@ def _accelerate_loop(kind, model, optimizer, per_device, accumulation, stock) ->
                     optimizer.step()
                     optimizer.zero_grad()
             losses.append(step.logged_loss())
-            params.append(_flat(accelerator.unwrap_model(model)))
+            params.append(flat_params(accelerator.unwrap_model(model)))
     eval_loss = None if stock else exact.evaluate(model, evaluation)
     topology = {"world_size": accelerator.num_processes, "wrapper": type(model).__name__}
     return {"losses": losses, "params": params, "eval_loss": eval_loss, **topology}
@@ -213,7 +180,7 @@ def _torch_loop(kind, model, optimizer, per_device, accumulation, wrap) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step.logged_loss())
-            params.append(_flat(model))
+            params.append(flat_params(model))
     world_size = dist.get_world_size() if distributed else 1
     return {
         "losses": losses,
@@ -463,7 +430,9 @@ def test_a_model_that_cannot_be_exact_warns_once_and_trains_on_its_own_loss(name
 
 
 def test_fused_loss_is_exact_without_logits():
-    fused = pytest.importorskip("tests.fused", reason="tests/fused.py (the fused-loss stand-in) is not there")
+    fused = pytest.importorskip(
+        "tests.helpers.fused", reason="tests/helpers/fused.py (the fused-loss stand-in) is not there"
+    )
     ref = reference("lm")
     model = build("lm")
     record = fused.fuse_loss(model, chunk_size=7)
@@ -477,7 +446,7 @@ def test_fused_loss_is_exact_without_logits():
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step.logged_loss())
-            params.append(_flat(model))
+            params.append(flat_params(model))
     assert record.logits_calls == 0, record.calls  # training never built the [rows, positions, vocab] logits
     assert record.fused_calls == 3 * EPOCHS  # micro-batches of 4, 4 and 2 rows per epoch
     result = {"losses": losses, "params": params}

@@ -7,7 +7,7 @@ import transformers
 
 import hf_parallel
 from hf_parallel import Trainer, TrainingArguments
-from tests.harness import Topology, run_case
+from tests.helpers.harness import Topology, run_case
 
 
 def test_public_names():

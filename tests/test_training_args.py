@@ -8,7 +8,7 @@ import transformers
 from transformers import HfArgumentParser
 
 from hf_parallel import Trainer, TrainingArguments
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 
 def test_stock_arguments_are_upgraded(tmp_path):

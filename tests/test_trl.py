@@ -10,7 +10,7 @@ import transformers
 
 import hf_parallel
 from hf_parallel import TrainerMixin
-from tests.heads import CASES, lm_rows
+from tests.helpers.heads import CASES, lm_rows
 
 # TRL (a test extra) and datasets are absent from some GPU images, where `benchmarks.gpu_check` collects every test
 # module: without them this module skips instead of failing the whole collection (pytest's exit 2).

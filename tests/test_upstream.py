@@ -24,9 +24,9 @@ from hf_parallel.upstream import (
     TRAINING_ATTRIBUTES,
     temporarily,
 )
-from tests.harness import training_args
-from tests.paths import ROOT
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.paths import ROOT
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 OURS = {"Trainer": Trainer, "Seq2SeqTrainer": Seq2SeqTrainer}
 

@@ -28,9 +28,9 @@ from benchmarks.zoo_models import HEAD_KINDS, ROUTER_KIND, ZooModel, zoo_models
 from hf_parallel.exact import CrossEntropyHead, candidate_heads
 from hf_parallel.exact.heads.decoder import LabelsInForwardHead, decoder_input_ids, watch_decoder
 from hf_parallel.exact.resolve import resolve_head
-from tests.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
-from tests.heads import CASES, Case, lm_rows, seq2seq_rows
-from tests.tiny import VOCAB, tiny
+from tests.helpers.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs
+from tests.helpers.heads import CASES, Case, lm_rows, seq2seq_rows
+from tests.helpers.tiny import VOCAB, tiny
 
 TOL = 1e-5
 

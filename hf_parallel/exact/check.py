@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .compare import ReplicaCheck, candidate_heads
-from .heads import CrossEntropyHead, LossHead, Route, routed
+from .heads import LossHead, Route, routed
 from .heads.decoder import DecoderInputsWatch, keeping_labels_in_forward, needs_decoder_inputs, watch_decoder
 from .remainder import REAL_ROWS_KEY
 
@@ -175,7 +175,7 @@ class ModelLossCheck:
         """
         if head is None or head.route is Route.USER_LOSS:
             return None
-        if REAL_ROWS_KEY in inputs and not isinstance(head, CrossEntropyHead):
+        if REAL_ROWS_KEY in inputs and not head.ignore_index_items:
             return None
         return candidate_heads(head) if self._checks.get(key, 0) >= 0 else None
 

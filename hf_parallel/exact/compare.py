@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..saving.unwrap import unwrap_model
-from .heads import CrossEntropyHead, HeadMismatch, LossHead, Route
+from .heads import HeadMismatch, LossHead, Route
 
 __all__ = [
     "PROBE_OFFSET",
@@ -78,7 +78,8 @@ def can_use_model_loss(head: LossHead | None, model: nn.Module) -> bool:
     loss honours the count is for the first forward to show (`replica_check`).
     """
     return (
-        isinstance(head, CrossEntropyHead)
+        head is not None
+        and head.ignore_index_items
         and head.per_position
         and not head.smoothing
         and head.route is not Route.USER_LOSS
@@ -158,7 +159,7 @@ def candidate_heads(head: LossHead) -> tuple[LossHead, ...]:
     `head`, then the other heads its labels and logits could mean: for a per-position cross-entropy, the same with the
     causal shift toggled (standalone decoders of encoder-decoder families and XLNet do not shift).
     """
-    if not isinstance(head, CrossEntropyHead) or not head.per_position or head.name.startswith("seq2seq_lm"):
+    if not head.shift_ambiguous:
         return (head,)
     other = copy.copy(head)
     other.shift = not head.shift
@@ -168,7 +169,7 @@ def candidate_heads(head: LossHead) -> tuple[LossHead, ...]:
 
 def compared_head(head: LossHead) -> LossHead:
     """The head whose loss is compared with the model's: without label smoothing, which the model's loss lacks."""
-    if not getattr(head, "smoothing", 0):
+    if not head.smoothing:
         return head
     plain = copy.copy(head)
     plain.smoothing = 0.0

@@ -24,7 +24,7 @@ from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
 from .engine import pick_engine
 from .fallback import FALLBACK_NOTE
-from .heads import CrossEntropyHead, LossHead, Route, routed
+from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
 from .remainder import (
     REAL_ROWS_KEY,
@@ -37,7 +37,7 @@ from .remainder import (
     sample_ids_of,
 )
 from .replicas import is_data_parallel
-from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
+from .resolve import ProblemTypeUnsettled, UnsupportedHead, counting_head, resolve_head
 from .terms import EvalTotals, StepCounts, Terms, chosen_terms, sequence_length
 
 __all__ = ["ExactLoss", "padded_count"]
@@ -207,7 +207,7 @@ class ExactLoss:
             if loss_func is None or self.label_names != ["labels"]:
                 raise
             # A user loss on a model we do not know: we only need its item count, which is the stock one.
-            return CrossEntropyHead(name="compute_loss_func", shift=loss_func_shifts)
+            return counting_head(loss_func_shifts)
 
     def warn_fallback(self, reason: str) -> None:
         """Warn once per reason that the stock loss is used, and what of stock's multi-device error is removed."""
@@ -234,7 +234,7 @@ class ExactLoss:
         forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
         are 0 too. `inputs` itself for any other head, and without DDP.
         """
-        if not isinstance(head, CrossEntropyHead) or self.num_processes == 1:
+        if not head.ignore_index_items or self.num_processes == 1:
             return inputs
         inputs = dict(inputs)
         self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)
@@ -401,7 +401,7 @@ def padded_count(head: LossHead, batch: dict, main_input_name: str) -> torch.Ten
         return head.count(batch, seq_len)
     # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
     sample_ids = sample_ids_of(head, batch)
-    if isinstance(head, CrossEntropyHead):
+    if head.ignore_index_items:
         # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
         # labels counts as this does.
         return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)

@@ -248,9 +248,9 @@ class _Forward:
         outputs = run(**inputs, **extra)
         if self.loss_call is not None:
             seen = self.loss_call.take()
-            if not seen and callable(getattr(head, "inferred_call", None)):
+            if not seen and head.loss_call.inferred is not None:
                 # A model that computes its loss inline passes nothing: its arguments as it computes them.
-                seen = head.inferred_call(getattr(run, "module", run), inputs)
+                seen = head.loss_call.inferred(getattr(run, "module", run), inputs)
             labels = {**labels, LOSS_CALL_KEY: seen}
         from_loss = False
         if self.own or (self.probe and fused_outputs(outputs)):

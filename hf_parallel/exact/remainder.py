@@ -135,7 +135,7 @@ def packed_sample_ids(batch: dict) -> torch.Tensor | None:
 def sample_ids_of(head, batch: dict) -> torch.Tensor | None:
     """The sample of each position of a packed row (see `packed_sample_ids`); None for a head that is not per position
     (only those are packed: several sequences in one row)."""
-    return packed_sample_ids(batch) if getattr(head, "per_position", False) else None
+    return packed_sample_ids(batch) if head.per_position else None
 
 
 def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:

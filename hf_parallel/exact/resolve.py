@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .heads import HEAD_FAMILIES, HeadFamily, LossHead, ProblemTypeUnsettled, UnsupportedHead
+from .heads import HEAD_FAMILIES, CrossEntropyHead, HeadFamily, LossHead, ProblemTypeUnsettled, UnsupportedHead
 from .heads.router import router_balance_of, text_config
 
-__all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "resolve_head"]
+__all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "counting_head", "resolve_head"]
 
 # PEFT adapters that leave the sequence as it is: prefix tuning and cartridges add keys and values, not positions.
 # Every other prompt-learning adapter prepends virtual tokens to the input, so a decoder's logits have more
@@ -24,7 +24,16 @@ def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHea
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     for family in HEAD_FAMILIES:
         if name in family.classes and family.encoder_decoder in (None, encoder_decoder):
-            return family.build(name, model, sample_labels, smoothing)
+            head = family.build(name, model, sample_labels, smoothing)
+            if smoothing and not (family.label_smoothing and head.smoothing == smoothing):
+                # Stock applies its LabelSmoother to whatever the logits are (a regression's, a DETR's: there it
+                # stops with "'list' object has no attribute 'dim'"), or skips it where the labels have other keys.
+                raise ValueError(
+                    f"label_smoothing_factor={smoothing} does not apply to {name}'s {head.name} loss: label smoothing "
+                    "is for a cross-entropy over classes (language models, token, sequence and single-label media "
+                    "classification, multiple choice). Set label_smoothing_factor=0 for this model."
+                )
+            return head
     raise UnsupportedHead(
         f"{name} is not a head hf_parallel knows (causal/seq2seq/masked/multimodal LM, token/sequence/image/video/"
         "audio classification, multiple choice, question answering, CTC, semantic segmentation)."
@@ -59,6 +68,12 @@ def _class_name(model: nn.Module) -> str:
     if issubclass(cls, FSDPModule):
         cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
     return cls.__name__
+
+
+def counting_head(shift: bool) -> LossHead:
+    """The head of a Trainer's `compute_loss_func` on a model hf_parallel does not know: it only counts the items of
+    a step (non-ignored targets, shifted where stock's count is), as stock counts them."""
+    return CrossEntropyHead(name="compute_loss_func", shift=shift)
 
 
 def resolve_head(
@@ -98,7 +113,7 @@ def resolve_head(
         # A MoE LM adds its router's load-balancing loss to the cross-entropy. One whose sizes cannot be read (or that
         # adds none: several return their router logits only) keeps the plain head, and the check judges it.
         head.router = router_balance_of(model)
-    if virtual_tokens is not None and getattr(head, "per_position", False) and not head.builds_decoder_inputs:
+    if virtual_tokens is not None and head.per_position and not head.builds_decoder_inputs:
         raise UnsupportedHead(
             f"the {virtual_tokens} adapter on {name} prepends virtual tokens, so the logits have more positions "
             "than the labels."

@@ -18,7 +18,7 @@ from accelerate.utils import find_device
 from torch import nn
 
 from .compare import ReplicaCheck
-from .heads import CrossEntropyHead, LossHead, Route
+from .heads import LossHead, Route
 from .heads.base import LOSS_CALL_KEY, LossCallWatch
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
@@ -143,7 +143,7 @@ def split_labels(
     labels = head.pop_labels(inputs)
     if REAL_ROWS_KEY in inputs:
         real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
-        if isinstance(head, CrossEntropyHead):
+        if head.ignore_index_items:
             # Padding rows ignored in the targets themselves: also for a model that gets its labels.
             labels = mask_padding(labels, TARGET_KEYS, real, sample_ids_of(head, inputs))
     if build_decoder_inputs and needs_decoder_inputs(head, inputs):
@@ -165,20 +165,19 @@ def model_labels(labels: dict) -> dict:
 @contextlib.contextmanager
 def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable = _as_is, checked: bool = True):
     """Around a forward of `head`: a `LossCallWatch` on `model` (taken out of its wrappers by `unwrap`, only then)
-    where the head needs the arguments of the model's own loss call or the outputs of its submodules; yields the
-    watch, or None. Outside a `checked` forward, a head with a `stand_in_loss` (`LossHead`) spares the model its own
-    loss; in a checked one the model's loss runs within the head's `own_loss_context`."""
-    names = getattr(head, "loss_call_arguments", ())
-    modules = getattr(head, "captured_outputs", ())
-    if not (names or modules) or head.route is Route.USER_LOSS:
+    where the head declares a `LossCall` (the arguments of the model's own loss call, the outputs of its submodules);
+    yields the watch, or None. Outside a `checked` forward, a declared `stand_in` spares the model its own loss; in a
+    checked one the model's loss runs within the declared `own_context`."""
+    call = head.loss_call if head is not None else None
+    if call is None or head.route is Route.USER_LOSS:
         yield None
         return
     model = unwrap(model)
     if not hasattr(model, "loss_function"):
         yield None
         return
-    instead = None if checked else head.stand_in_loss
-    watch = LossCallWatch(model, names, modules, instead, head.own_loss_context if checked else None)
+    instead = None if checked else call.stand_in
+    watch = LossCallWatch(model, call.arguments, call.submodules, instead, call.own_context if checked else None)
     try:
         yield watch
     finally:

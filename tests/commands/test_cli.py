@@ -31,7 +31,7 @@ from hf_parallel.commands.config_plan import (
 )
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.commands.main import main
-from tests.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import hf_parallel
 from hf_parallel import Trainer
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 from tests import harness
-from tests.harness import Topology, record_hf_parallel_log, run_case, training_args
-from tests.heads import CLASSIFIER
-from tests.tiny import classification_rows
+from tests.helpers.harness import Topology, record_hf_parallel_log, run_case, training_args
+from tests.helpers.heads import CLASSIFIER
+from tests.helpers.tiny import classification_rows
 
 # Each case: devices, training rows, per-device batch, options, and the chunk sizes of the last training step.
 BALANCED_CASES = {

@@ -13,8 +13,8 @@ import hf_parallel
 from hf_parallel import BalancedDataParallel, ExactDataParallel, balanced_chunk_sizes, unwrap_model
 from hf_parallel.data_parallel import balanced_wrapper
 from hf_parallel.testing import simulate_data_parallel
-from tests.harness import training_args
-from tests.tiny import tiny, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.tiny import tiny, tiny_bert_classifier
 
 # ---- BalancedDataParallel on CPU, inside the emulation (only the device copies are CPU stand-ins) ----
 

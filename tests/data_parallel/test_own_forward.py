@@ -1,8 +1,8 @@
 """
-`hf_parallel.Trainer` through a DataParallel subclass with a forward of its own (tests/own_forward.py: `torch.chunk`,
-`self.module` per chunk, a generic gather that does not keep a NamedTuple's type): every head kind trains and
-evaluates with the exact loss, equal to one device on the same rows, on 2 and 4 devices and with fewer rows than
-devices; only the loss terms leave the replicas in training (no logits gathered); stock, through the same class,
+`hf_parallel.Trainer` through a DataParallel subclass with a forward of its own (tests/helpers/own_forward.py:
+`torch.chunk`, `self.module` per chunk, a generic gather that does not keep a NamedTuple's type): every head kind
+trains and evaluates with the exact loss, equal to one device on the same rows, on 2 and 4 devices and with fewer rows
+than devices; only the loss terms leave the replicas in training (no logits gathered); stock, through the same class,
 differs. A wrapper whose forward never calls its `module` is computed from what it gathers, warned once.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.harness import Topology, max_relative_diff, run_case
-from tests.heads import CASES, Case, llama, lm_rows
-from tests.own_forward import chunking_data_parallel
+from tests.helpers.harness import Topology, max_relative_diff, run_case
+from tests.helpers.heads import CASES, Case, llama, lm_rows
+from tests.helpers.own_forward import chunking_data_parallel
 
 # A CPU test on any machine: torch's DataParallel, built where CUDA is available, would move the model to GPU 0.
 pytestmark = pytest.mark.usefixtures("no_gpus")

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from hf_parallel import Trainer, TrainingArguments  # noqa: E402
-from tests.harness import SGD_STEP, training_args  # noqa: E402
-from tests.heads import CASES  # noqa: E402
+from tests.helpers.harness import SGD_STEP, training_args  # noqa: E402
+from tests.helpers.heads import CASES  # noqa: E402
 
 CASE = "bert_single_label"
 ROWS = 16

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import transformers
 
 import hf_parallel
-from tests.harness import training_args
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 
 def args_for(cls, out: Path):

@@ -20,8 +20,8 @@ import transformers  # noqa: E402
 from transformers import BertForSequenceClassification  # noqa: E402
 
 from hf_parallel import Trainer  # noqa: E402
-from tests.harness import training_args  # noqa: E402
-from tests.tiny import classification_rows, tiny_bert_config  # noqa: E402
+from tests.helpers.harness import training_args  # noqa: E402
+from tests.helpers.tiny import classification_rows, tiny_bert_config  # noqa: E402
 
 MAX_STEPS = 8
 SAVE_STEPS = 3

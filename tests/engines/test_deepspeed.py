@@ -28,10 +28,10 @@ import torch.distributed as dist
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.contrastive import CASES as CONTRASTIVE
-from tests.harness import DDP2, DDP2_GA2, SINGLE, max_relative_diff, record_hf_parallel_log, run_case
-from tests.heads import CASES
-from tests.moe import CASES as MOE
+from tests.helpers.contrastive import CASES as CONTRASTIVE
+from tests.helpers.harness import DDP2, DDP2_GA2, SINGLE, max_relative_diff, record_hf_parallel_log, run_case
+from tests.helpers.heads import CASES
+from tests.helpers.moe import CASES as MOE
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hf_parallel import ExactLoop
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.heads import llama, lm_rows
+from tests.helpers.heads import llama, lm_rows
+from tests.helpers.reference import sgd_reference, steps_of
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
@@ -42,10 +43,6 @@ def train_rows() -> list[dict]:
     return [rows[i] for i in (2, 3, 0, 1, 4, 5, 6, 9, 7, 8)]
 
 
-def _collate(rows: list[dict]) -> dict:
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     """Every parameter, whole: gathered from its ZeRO-3 partitions first (every rank must call this)."""
     params = list(model.parameters())
@@ -56,22 +53,8 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 @functools.cache
 def reference() -> dict:
-    """One process, no DeepSpeed: the model's own loss on each step's rows in one forward, SGD by hand."""
-    model, rows = llama(0), train_rows()
-    losses, params = [], []
-    for start in range(0, TRAIN_ROWS, STEP_ROWS):
-        loss = model(**_collate(rows[start : start + STEP_ROWS])).loss
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(LR * p.grad)
-        losses.append(loss.item())
-        params.append(_flat(model))
-    model.eval()
-    with torch.no_grad():
-        eval_loss = model(**_collate(lm_rows(EVAL_ROWS, 2))).loss.item()
-    return {"losses": losses, "params": params, "eval_loss": eval_loss}
+    """One process, no DeepSpeed: each step's rows in one forward, SGD by hand."""
+    return sgd_reference(llama(0), steps_of(train_rows(), STEP_ROWS), LR, lm_rows(EVAL_ROWS, 2))
 
 
 def _engine(stage: int):

@@ -32,9 +32,17 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 import hf_parallel
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.engines.test_deepspeed import zero_config
-from tests.harness import SGD_STEP, SINGLE, Capture, max_relative_diff, record_hf_parallel_log, run_case, training_args
-from tests.heads import llama, lm_rows
-from tests.tiny import ListDataset
+from tests.helpers.harness import (
+    SGD_STEP,
+    SINGLE,
+    Capture,
+    max_relative_diff,
+    record_hf_parallel_log,
+    run_case,
+    training_args,
+)
+from tests.helpers.heads import llama, lm_rows
+from tests.helpers.tiny import ListDataset
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 

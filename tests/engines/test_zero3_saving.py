@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import DDP2, run_case
-from tests.heads import CASES
+from tests.helpers.harness import DDP2, run_case
+from tests.helpers.heads import CASES
 
 deepspeed = pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 

@@ -31,9 +31,9 @@ from transformers import (
 from hf_parallel.exact import CrossEntropyHead, ReplicaCheck, Route, replica_check
 from hf_parallel.exact.check import Verdict, Votes, decide
 from hf_parallel.exact.compare import probe_count
-from tests.harness import Topology, max_relative_diff, run_case
-from tests.heads import Case
-from tests.tiny import tiny
+from tests.helpers.harness import Topology, max_relative_diff, run_case
+from tests.helpers.heads import Case
+from tests.helpers.tiny import tiny
 
 VOCAB = 64
 # Long targets: GA 2 x 2 rows x up to 3,000 tokens, about 11,000 items per step and over 5,000 per micro-batch, where

@@ -1,11 +1,11 @@
 """
-Contrastive losses over the whole step (tests/contrastive.py: CLIP and SigLIP, `return_loss=True`): under gradient
-accumulation (the cached two-pass), torch's DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank DDP
-(alone and with GA 2), the logged loss, the gradient and the weights after the step equal the model's own loss on all
-the step's rows in one forward; evaluation takes each batch over every device as one batch. Stock is the control that
-must differ; `contrastive_negatives="micro_batch"` gives stock's per-micro-batch negatives, warned; a contrastive
-model whose loss is not the recomputed one falls back with a warning; the hand-written loop (`ExactLoop`) with
-dropout equals one forward over the step drawn with the same random state.
+Contrastive losses over the whole step (tests/helpers/contrastive.py: CLIP and SigLIP, `return_loss=True`): under
+gradient accumulation (the cached two-pass), torch's DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank
+DDP (alone and with GA 2), the logged loss, the gradient and the weights after the step equal the model's own loss on
+all the step's rows in one forward; evaluation takes each batch over every device as one batch. Stock is the control
+that must differ; `contrastive_negatives="micro_batch"` gives stock's per-micro-batch negatives, warned; a contrastive
+model whose loss is not the recomputed one falls back with a warning; the hand-written loop (`ExactLoop`) with dropout
+equals one forward over the step drawn with the same random state.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from hf_parallel import ExactLoop
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.resolve import UnsupportedHead
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.contrastive import CASES, _clip, clip_rows, collate
-from tests.harness import (
+from tests.helpers.contrastive import CASES, _clip, clip_rows, collate
+from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,
     DP2,
@@ -39,7 +39,7 @@ from tests.harness import (
     run_case,
     run_ddp_runs,
 )
-from tests.heads import Case
+from tests.helpers.heads import Case
 
 TOL = 1e-5
 EVAL_BATCH = 2  # harness.SGD_STEP's per_device_eval_batch_size

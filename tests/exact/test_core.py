@@ -16,8 +16,8 @@ from hf_parallel.exact import (
     candidate_heads,
     micro_batch_loss,
 )
-from tests.heads import CASES, batch_of
-from tests.tiny import tiny_bert_classifier
+from tests.helpers.heads import CASES, batch_of
+from tests.helpers.tiny import tiny_bert_classifier
 
 
 def test_fallbacks_warn_once_per_reason(hf_parallel_log):

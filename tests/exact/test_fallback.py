@@ -24,9 +24,9 @@ from hf_parallel.exact.fallback import (
     stock_training_step,
 )
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, run_case, runs_worker
-from tests.heads import Case
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, run_case, runs_worker
+from tests.helpers.heads import Case
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 
 def _classifier_rows(n: int, seed: int) -> list[dict]:

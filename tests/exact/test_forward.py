@@ -6,7 +6,7 @@ import torch
 
 from hf_parallel.exact import ExactLoss, Route, RunContext, micro_batch_loss
 from hf_parallel.exact.terms import sample_terms, split_labels
-from tests.heads import CASES
+from tests.helpers.heads import CASES
 
 
 def test_a_user_loss_function_gets_the_exact_count():

@@ -1,7 +1,7 @@
 """
 A forward that fuses its loss with the LM head and never builds the logits (Liger's `use_liger_kernel=True`; the
-CPU stand-in of tests/fused.py) trains and evaluates exactly through the model's own loss, given its labels and the
-step's item count: under gradient accumulation, emulated DataParallel (torch's own replicate / parallel_apply), DDP
+CPU stand-in of tests/helpers/fused.py) trains and evaluates exactly through the model's own loss, given its labels and
+the step's item count: under gradient accumulation, emulated DataParallel (torch's own replicate / parallel_apply), DDP
 on 2 CPU ranks, the padded last step of an epoch and evaluation duplicates; and with `use_liger_kernel=True` the
 Trainer's own Liger path (`skip_logits=True` in evaluation) runs with the stand-in applied in place of the kernel.
 
@@ -16,8 +16,8 @@ import transformers
 from transformers import default_data_collator
 
 from hf_parallel.exact import Route
-from tests.fused import fuse_loss
-from tests.harness import (
+from tests.helpers.fused import fuse_loss
+from tests.helpers.harness import (
     EVAL_ROWS,
     SINGLE,
     TRAIN_ROWS,
@@ -27,7 +27,7 @@ from tests.harness import (
     run_case,
     run_ddp_runs,
 )
-from tests.heads import Case, llama, lm_rows
+from tests.helpers.heads import Case, llama, lm_rows
 
 TOL = 1e-5
 

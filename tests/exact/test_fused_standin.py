@@ -1,6 +1,6 @@
 """
-The fused-loss stand-in (tests/fused.py) against the real thing's known answer: the unpatched model's own loss and
-gradients, on a tiny Llama with uneven valid tokens; the full logits are never built in training; under torch's own
+The fused-loss stand-in (tests/helpers/fused.py) against the real thing's known answer: the unpatched model's own loss
+and gradients, on a tiny Llama with uneven valid tokens; the full logits are never built in training; under torch's own
 DataParallel (emulated) each replica runs the fused path on itself, and the replicas' losses add up to one device's.
 """
 
@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hf_parallel.testing import simulate_data_parallel
-from tests.fused import FusedCall, fuse_loss, fused_forward
-from tests.tiny import tiny
+from tests.helpers.fused import FusedCall, fuse_loss, fused_forward
+from tests.helpers.tiny import tiny
 
 VOCAB, ROWS, SEQ, HIDDEN = 1000, 3, 24, 32
 CHUNK = 33  # rows per chunk: does not divide ROWS * SEQ (the last chunk is short), more than HIDDEN

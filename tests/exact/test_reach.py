@@ -3,7 +3,7 @@ Where users train beyond a plain transformers model: PEFT adapters, transformers
 through `TrainerMixin`: tests/test_trl.py), torch.compile with evaluate() before train() under DDP,
 packed batches and iterable sets that each rank reads itself (`dispatch_batches=False`) under DDP.
 Each next to a stock control that shows the stock error. LoRA also has rows in the exact-loss matrix
-(tests/heads.py: `lora_bert_single_label`, `lora_llama_causal_lm`).
+(tests/helpers/heads.py: `lora_bert_single_label`, `lora_llama_causal_lm`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from hf_parallel import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Train
 from hf_parallel.exact.streams import SampleCounter, count_samples, stream_remainder
 from hf_parallel.testing import spawn_cpu_ranks
 from hf_parallel.upstream import SHARD_ATTRIBUTES
-from tests.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
-from tests.harness import SGD_STEP, TRAIN_ROWS, Topology, record_hf_parallel_log, run_case, training_args
-from tests.heads import CASES, lm_rows, seq2seq_rows
-from tests.tiny import IterableRows, ListDataset, classification_rows, tiny_bert_classifier
+from tests.helpers.epochs import EPOCH, ITERABLE, epoch_topology, one_device_epoch, update_error
+from tests.helpers.harness import SGD_STEP, TRAIN_ROWS, Topology, record_hf_parallel_log, run_case, training_args
+from tests.helpers.heads import CASES, lm_rows, seq2seq_rows
+from tests.helpers.tiny import IterableRows, ListDataset, classification_rows, tiny_bert_classifier
 
 GA2 = Topology("grad-accum 2", per_device=TRAIN_ROWS // 2, accumulation=2)
 

@@ -19,9 +19,9 @@ from hf_parallel import BalancedDataParallel
 from hf_parallel.data_parallel.chunking import torch_chunk_sizes
 from hf_parallel.exact.replicas import ReplicaStep, replica_autocast, takes_use_cache, without_cache
 from hf_parallel.testing import simulate_data_parallel
-from tests.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, max_relative_diff, run_case
-from tests.heads import CASES, SEQ, Case, llama, lm_rows, seq2seq_rows
-from tests.tiny import tiny
+from tests.helpers.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, max_relative_diff, run_case
+from tests.helpers.heads import CASES, SEQ, Case, llama, lm_rows, seq2seq_rows
+from tests.helpers.tiny import tiny
 
 WIDE_VOCAB = 1000  # logits of 8 rows x 8 positions: 256,000 bytes in fp32
 DP2 = Topology("DP 2 devices", per_device=TRAIN_ROWS // 2, dp_devices=2)

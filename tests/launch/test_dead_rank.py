@@ -22,8 +22,8 @@ import torch
 from hf_parallel.saving.resume import checkpoint_problems
 from hf_parallel.saving.staging import RUN_FILE, STAGING_DIR
 from tests.distributed.crash_worker import run
-from tests.paths import NO_GPUS, ROOT, repo_env
-from tests.processes import run_together, run_until_failure
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.processes import run_together, run_until_failure
 
 DEAD_RANK_LIMIT_S = 60
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")

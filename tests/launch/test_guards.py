@@ -17,8 +17,8 @@ from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.commands.env import trainer_mode
 from hf_parallel.launch import environment as launch_env
 from hf_parallel.launch import guards
-from tests.harness import training_args
-from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 # ---- launcher_world_size ----
 

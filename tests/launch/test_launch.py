@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from transformers import BertForSequenceClassification
 
 from hf_parallel.commands.main import main as cli_main
-from tests.paths import NO_GPUS, ROOT, repo_env
-from tests.processes import Finished, run_together
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.processes import Finished, run_together
 
 TRAIN = ROOT / "examples" / "train.py"
 CPU_CONFIG = ROOT / "hf_parallel" / "configs" / "cpu_ddp.yaml"

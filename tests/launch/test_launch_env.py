@@ -14,7 +14,7 @@ from hf_parallel.launch.environment import (
     world_size_variable,
 )
 from hf_parallel.launch.validation import check_whole_number
-from tests.paths import ROOT, repo_env
+from tests.helpers.paths import ROOT, repo_env
 
 
 def test_world_size_comes_from_the_first_variable_set():

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from hf_parallel import Trainer, release_distributed
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.harness import training_args
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 
 def _train_then_release(output_dir: str) -> None:

@@ -15,8 +15,8 @@ from transformers import BertForMaskedLM
 
 from hf_parallel import load_state_dict
 from hf_parallel.saving.checkpoints import checkpoint_weight_files, read_state_dict, stored_keys
-from tests.harness import assert_same_weights
-from tests.tiny import TinyRegressor, qat_model, tiny_bert_classifier, tiny_bert_config
+from tests.helpers.harness import assert_same_weights
+from tests.helpers.tiny import TinyRegressor, qat_model, tiny_bert_classifier, tiny_bert_config
 
 # ---- Weight files and their keys ----
 

@@ -31,9 +31,9 @@ from hf_parallel.saving.resume import checkpoint_problems, rank_seed
 from hf_parallel.saving.staging import RUN_FILE, STAGING_DIR
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.distributed.crash_worker import CASE, make_trainer, run
-from tests.harness import record_hf_parallel_log
-from tests.heads import CASES
-from tests.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.harness import record_hf_parallel_log
+from tests.helpers.heads import CASES
+from tests.helpers.paths import NO_GPUS, ROOT, repo_env
 
 KILLED = -9  # the child's return code after SIGKILL
 

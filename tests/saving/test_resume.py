@@ -21,9 +21,9 @@ from packaging.version import Version
 
 from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.testing import spawn_cpu_ranks
-from tests.epochs import EPOCH, one_device_epoch, update_error
-from tests.harness import SGD_STEP, Capture, training_args
-from tests.heads import CASES
+from tests.helpers.epochs import EPOCH, one_device_epoch, update_error
+from tests.helpers.harness import SGD_STEP, Capture, training_args
+from tests.helpers.heads import CASES
 
 CASE = "bert_single_label"  # a sequence classifier: stock's x2 and the repeated rows both show
 ROWS = 18

@@ -1,7 +1,7 @@
 """
 hf_parallel.Trainer saves clean checkpoints and resumes from them in every set-up, a quantization-aware-training model
 included; a training killed with SIGKILL resumes to the same weights. CleanCheckpointCallback, which does the same for
-the stock Trainer: test_callbacks.py. The set-ups: tests/setups.py.
+the stock Trainer: test_callbacks.py. The set-ups: tests/helpers/setups.py.
 """
 
 import faulthandler
@@ -33,10 +33,10 @@ from hf_parallel import (
 )
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
 from tests.distributed.save_train_worker import MAX_STEPS, make_trainer
-from tests.harness import assert_same_weights, training_args, weights_of
-from tests.paths import ROOT, repo_env
-from tests.setups import SAVING, SETUPS, assert_clean_checkpoint, setup_case, stored_key_set
-from tests.tiny import ListDataset, classification_rows, qat_model, tiny_bert_classifier
+from tests.helpers.harness import assert_same_weights, training_args, weights_of
+from tests.helpers.paths import ROOT, repo_env
+from tests.helpers.setups import SAVING, SETUPS, assert_clean_checkpoint, setup_case, stored_key_set
+from tests.helpers.tiny import ListDataset, classification_rows, qat_model, tiny_bert_classifier
 
 WORKER = ROOT / "tests" / "distributed" / "save_train_worker.py"
 

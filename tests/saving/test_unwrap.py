@@ -12,8 +12,8 @@ from torch import nn
 
 from hf_parallel import BalancedDataParallel, load_state_dict, unwrap_model
 from hf_parallel.saving.unwrap import clean_state_dict, has_wrapper_prefixes, match_keys
-from tests.harness import assert_same_weights
-from tests.tiny import tiny_bert_classifier
+from tests.helpers.harness import assert_same_weights
+from tests.helpers.tiny import tiny_bert_classifier
 
 # The wrappers are built on the CPU: on a machine with one GPU, nn.DataParallel would move the model to it when
 # built, and its weights would no longer compare with the CPU copies.

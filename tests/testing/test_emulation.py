@@ -14,8 +14,8 @@ import transformers
 from torch.nn.parallel import _functions, comm
 
 from hf_parallel.testing import simulate_data_parallel, simulated_training_args
-from tests.harness import RunResult, Topology, run_case
-from tests.heads import CLASSIFIER
+from tests.helpers.harness import RunResult, Topology, run_case
+from tests.helpers.heads import CLASSIFIER
 
 VOCAB, WIDTH = 11, 6
 

@@ -27,6 +27,7 @@ __all__ = [
     "REAL_ROWS_KEY",
     "HeadFamily",
     "HeadMismatch",
+    "LossCall",
     "LossCallWatch",
     "LossHead",
     "ProblemTypeUnsettled",
@@ -141,6 +142,32 @@ class LossCallWatch:
             vars(self.model).pop("_loss_function", None)
 
 
+class LossCall(NamedTuple):
+    """
+    What a head needs of the model's own loss call and forward, declared by its family (`LossHead.loss_call`): the
+    forward then keeps the labels, and a `LossCallWatch` records what is named into the labels under `LOSS_CALL_KEY`.
+
+    Args:
+        arguments (`tuple[str, ...]`, *optional*): the arguments of the model's `loss_function` call the head reads
+            (CTC's `logit_lengths`).
+        submodules (`tuple[str, ...]`, *optional*): submodules whose outputs the head reads and the model's outputs do
+            not carry (a segmentation model's `auxiliary_head`), recorded by name.
+        stand_in (`Callable`, *optional*): what the loss call returns, from its arguments, in a forward whose loss is
+            not checked, in place of the model's own loss (which the head recomputes: a DETR's matching would run
+            twice).
+        own_context (`Callable`, *optional*): a context manager factory the model's own loss runs within in a checked
+            forward (a DETR's: its box count kept to its own rows).
+        inferred (`Callable`, *optional*): `inferred(model, inputs)`, the arguments as a model that computes its loss
+            inline (and so passes nothing) computes them.
+    """
+
+    arguments: tuple[str, ...] = ()
+    submodules: tuple[str, ...] = ()
+    stand_in: Callable[[dict], object] | None = None
+    own_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    inferred: Callable[[nn.Module, dict], dict] | None = None
+
+
 class HeadMismatch(ValueError):
     """
     A head's loss cannot be computed from these outputs and labels (their shapes do not match: something between
@@ -216,22 +243,22 @@ class LossHead:
     shift: bool = False
     #: Whether the logits have one row per label position (LMs, token classification), not one per sample.
     per_position: bool = False
+    #: Whether the items are the targets not set to the ignore index (-100), as in a cross-entropy: the padding rows of
+    #: an epoch's last step are then masked in the targets themselves (so a model given its labels counts as the head
+    #: does), and the model's own loss, given the step's count, may be the head's (`Route.MODEL_LOSS`).
+    ignore_index_items: bool = False
+    #: Whether the first forward's check also tries this head with the other causal shift (a per-position
+    #: cross-entropy whose model may not shift as its class suggests: standalone decoders, XLNet).
+    shift_ambiguous: bool = False
+    #: The label smoothing epsilon the head applies (`TrainingArguments.label_smoothing_factor`); a family whose row
+    #: does not declare `label_smoothing` never gets one (`hf_parallel.exact.resolve_head` refuses it).
+    smoothing: float = 0.0
     #: Whether the model's loss is a plain sum over its items (CTC with `ctc_loss_reduction="sum"`): nothing divides
     #: it, so the step's loss is the sum of its micro-batches' sums, and `combine` ignores the counts.
     summed: bool = False
-    #: The arguments of the model's own `loss_function` call the head needs (e.g. CTC's `logit_lengths`): the labels
-    #: then stay in the forward, and `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`.
-    loss_call_arguments: tuple[str, ...] = ()
-    #: Submodules of the model whose outputs the head needs and the model's outputs do not carry (a segmentation
-    #: model's `auxiliary_head`): `LossCallWatch` records them into the labels under `LOSS_CALL_KEY`, by name.
-    captured_outputs: tuple[str, ...] = ()
-    #: What the model's `loss_function` call returns, from its arguments, in a forward whose loss is not checked, in
-    #: place of the model's own loss (which the head recomputes: a detection model's matching would run twice); None
-    #: to let the model compute it. Used with `loss_call_arguments` only.
-    stand_in_loss: Callable[[dict], object] | None = None
-    #: A context manager factory the model's own loss runs within in a checked forward (a detection model's: its box
-    #: count kept to its own rows); None for none.
-    own_loss_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    #: What the head needs of the model's own loss call and forward (`LossCall`: CTC's logit lengths, a DETR's earlier
+    #: decoder layers, a segmentation model's auxiliary head); None for a head that needs only the outputs.
+    loss_call: LossCall | None = None
     #: The router auxiliary loss the model adds to this head's (a MoE LM with `output_router_logits=True`), made
     #: exact over the whole batch by `hf_parallel.exact.heads.router`; None for a model without one.
     router = None
@@ -254,7 +281,7 @@ class LossHead:
     def needs_more_than_a_forward(self) -> bool:
         """Whether a micro-batch's loss needs more than one forward and the head's sums: a loss over the whole
         step's rows, a router term, or what the model passes to its own loss call (the steady step is one forward)."""
-        return self.batch_coupled or self.router is not None or bool(self.loss_call_arguments or self.captured_outputs)
+        return self.batch_coupled or self.router is not None or self.loss_call is not None
 
     def has_labels(self, batch) -> bool:
         """Whether `batch` holds every label key of this head."""
@@ -316,11 +343,20 @@ def class_names(*mappings: str) -> frozenset[str]:
 
 class HeadFamily(NamedTuple):
     """
-    One row of the registry (`hf_parallel.exact.heads.HEAD_FAMILIES`): the model classes of a kind of head (by class
-    name), whether they must be encoder-decoders (True), must not be (False) or either (None), and
-    `build(name, model, labels, smoothing)`, which gives their `LossHead` or raises `UnsupportedHead` naming why.
+    One row of the registry (`hf_parallel.exact.heads.HEAD_FAMILIES`), declaring what the family supports and needs.
+
+    Args:
+        classes (`frozenset[str]`): the model classes of the family, by class name.
+        build (`Callable`): `build(name, model, labels, smoothing)`, which gives their `LossHead` or raises
+            `UnsupportedHead` naming why; the head declares what a micro-batch needs beyond one forward
+            (`LossHead.loss_call`, `batch_coupled`, `router`) and how the check treats it.
+        encoder_decoder (`bool`, *optional*): whether the classes must be encoder-decoders (True), must not be
+            (False) or either (None).
+        label_smoothing (`bool`, *optional*, defaults to `False`): whether the family applies
+            `label_smoothing_factor` (a cross-entropy over classes); `resolve_head` refuses a factor on any other.
     """
 
     classes: frozenset[str]
     build: Callable[..., LossHead]
     encoder_decoder: bool | None = None
+    label_smoothing: bool = False

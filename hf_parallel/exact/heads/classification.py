@@ -107,8 +107,6 @@ def _sequence_classification(name: str, model, labels, smoothing: float) -> Loss
         raise ProblemTypeUnsettled(f"{name}: problem_type is unset and no labels were seen to settle it.")
     if problem == "single_label_classification":
         return CrossEntropyHead(name="sequence_classification/single_label", smoothing=smoothing)
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name} with problem_type={problem!r}.")
     if problem == "regression":
         return RegressionHead(name="sequence_classification/regression")
     if problem == "multi_label_classification":
@@ -117,16 +115,16 @@ def _sequence_classification(name: str, model, labels, smoothing: float) -> Loss
 
 
 def _question_answering(name: str, model, labels, smoothing: float) -> LossHead:
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name}'s start/end positions.")
     return QuestionAnsweringHead()
 
 
 QUESTION_ANSWERING = HeadFamily(class_names("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"), _question_answering)
 SEQUENCE_CLASSIFICATION = HeadFamily(
-    class_names("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"), _sequence_classification
+    class_names("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"), _sequence_classification, label_smoothing=True
 )
-MULTIPLE_CHOICE = HeadFamily(class_names("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"), _cross_entropy("multiple_choice"))
+MULTIPLE_CHOICE = HeadFamily(
+    class_names("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"), _cross_entropy("multiple_choice"), label_smoothing=True
+)
 # A classifier of images, videos or audio clips has the loss of a sequence classifier (transformers maps them to
 # `ForSequenceClassificationLoss`, or writes the same rule out).
 MEDIA_CLASSIFICATION = HeadFamily(
@@ -136,4 +134,5 @@ MEDIA_CLASSIFICATION = HeadFamily(
         "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
     ),
     _sequence_classification,
+    label_smoothing=True,
 )

@@ -144,8 +144,6 @@ class ContrastiveHead(LossHead):
 
 
 def _contrastive(name: str, model, labels, smoothing: float) -> LossHead:
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name}'s contrastive loss.")
     variant = contrastive_variant(model, name)
     if variant is None:
         raise UnsupportedHead(

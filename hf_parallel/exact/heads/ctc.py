@@ -20,7 +20,7 @@ from hf_parallel.exact.heads.base import LOSS_CALL_KEY, LossCallWatch
 from hf_parallel.exact.heads.ctc import CTCHead
 
 head = CTCHead(blank=model.config.pad_token_id, reduction=model.config.ctc_loss_reduction)
-watch = LossCallWatch(model, head.loss_call_arguments)
+watch = LossCallWatch(model, head.loss_call.arguments)
 outputs = model(input_values=values, attention_mask=mask, labels=labels)
 sums, counts = head.row_terms(outputs, {"labels": labels, LOSS_CALL_KEY: watch.take()})
 watch.remove()
@@ -37,6 +37,7 @@ from .base import (
     LOSS_CALL_KEY,
     HeadFamily,
     HeadMismatch,
+    LossCall,
     LossHead,
     Route,
     UnsupportedHead,
@@ -44,7 +45,22 @@ from .base import (
     class_names,
 )
 
-__all__ = ["CTC", "CTCHead"]
+__all__ = ["CTC", "CTCHead", "inferred_logit_lengths"]
+
+
+def inferred_logit_lengths(model, inputs: dict) -> dict:
+    """
+    `logit_lengths` as a model that computes its CTC loss inline (transformers before 5.2x, which has no
+    `loss_function` for CTC) computes them: the frames of each utterance's unmasked samples,
+    `_get_feat_extract_output_lengths(attention_mask.sum(-1))`; empty where the model has no such method.
+    """
+    frames = getattr(model, "_get_feat_extract_output_lengths", None)
+    values = inputs.get(getattr(model, "main_input_name", "input_values"), inputs.get("input_values"))
+    if not callable(frames) or not torch.is_tensor(values):
+        return {}
+    mask = inputs.get("attention_mask")
+    samples = mask.sum(-1) if torch.is_tensor(mask) else torch.full(values.shape[:1], values.shape[-1])
+    return {"logit_lengths": frames(samples.to(values.device)).to(torch.long)}
 
 
 class CTCHead(LossHead):
@@ -60,7 +76,7 @@ class CTCHead(LossHead):
     """
 
     route = Route.LABELS_IN_FORWARD
-    loss_call_arguments = ("logit_lengths", "blank_token_id")
+    loss_call = LossCall(("logit_lengths", "blank_token_id"), inferred=inferred_logit_lengths)
 
     def __init__(self, blank: int, reduction: str, zero_infinity: bool = False, name: str | None = None):
         if reduction not in ("mean", "sum"):
@@ -68,21 +84,6 @@ class CTCHead(LossHead):
         super().__init__(("labels",), name or f"ctc/{reduction}")
         self.blank, self.reduction, self.zero_infinity = blank, reduction, bool(zero_infinity)
         self.summed = reduction == "sum"
-
-    @staticmethod
-    def inferred_call(model, inputs: dict) -> dict:
-        """
-        `logit_lengths` as a model that computes its CTC loss inline (transformers before 5.2x, which has no
-        `loss_function` for CTC) computes them: the frames of each utterance's unmasked samples,
-        `_get_feat_extract_output_lengths(attention_mask.sum(-1))`; empty where the model has no such method.
-        """
-        frames = getattr(model, "_get_feat_extract_output_lengths", None)
-        values = inputs.get(getattr(model, "main_input_name", "input_values"), inputs.get("input_values"))
-        if not callable(frames) or not torch.is_tensor(values):
-            return {}
-        mask = inputs.get("attention_mask")
-        samples = mask.sum(-1) if torch.is_tensor(mask) else torch.full(values.shape[:1], values.shape[-1])
-        return {"logit_lengths": frames(samples.to(values.device)).to(torch.long)}
 
     def count(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> torch.Tensor:
         """The utterances: every row is one, with or without targets (torch's mean divides by the batch)."""
@@ -121,8 +122,6 @@ class CTCHead(LossHead):
 
 
 def _ctc(name: str, model, labels, smoothing: float) -> LossHead:
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name}'s CTC loss.")
     config = model.config
     reduction = getattr(config, "ctc_loss_reduction", None)
     if reduction not in ("mean", "sum"):

@@ -86,6 +86,7 @@ def keeping_labels_in_forward(head: CrossEntropyHead) -> LabelsInForwardHead:
         shift=head.shift,
         smoothing=head.smoothing,
         per_position=head.per_position,
+        shift_ambiguous=head.shift_ambiguous,
     )
 
 
@@ -147,8 +148,12 @@ def watch_decoder(model: nn.Module) -> DecoderInputsWatch | None:
 def _seq2seq_lm(name: str, model, labels, smoothing: float) -> LossHead:
     if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
         # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
-        return LabelsInForwardHead(name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True)
-    return CrossEntropyHead(name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True)
+        return LabelsInForwardHead(
+            name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True, shift_ambiguous=False
+        )
+    return CrossEntropyHead(
+        name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True, shift_ambiguous=False
+    )
 
 
 def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
@@ -157,9 +162,11 @@ def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
     return CrossEntropyHead(name="multimodal_lm", shift=True, smoothing=smoothing, per_position=True)
 
 
-SEQ2SEQ_LM = HeadFamily(class_names("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"), _seq2seq_lm, encoder_decoder=True)
+SEQ2SEQ_LM = HeadFamily(
+    class_names("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"), _seq2seq_lm, encoder_decoder=True, label_smoothing=True
+)
 # Decoders in the seq2seq mapping (AudioFlamingo3, MusicFlamingo: audio placeholders, then text): a causal LM.
-SEQ2SEQ_DECODER_LM = HeadFamily(SEQ2SEQ_LM.classes, _multimodal_lm, encoder_decoder=False)
+SEQ2SEQ_DECODER_LM = HeadFamily(SEQ2SEQ_LM.classes, _multimodal_lm, encoder_decoder=False, label_smoothing=True)
 # Language models conditioned on images, audio or video: encoder-decoders (Whisper, Speech2Text, TrOCR and Donut as
 # VisionEncoderDecoderModel) have the seq2seq LM loss, decoders with placeholder positions (LLaVA, Qwen2-VL,
 # Voxtral, ...) the causal LM loss over every position the labels do not ignore.
@@ -171,4 +178,5 @@ MULTIMODAL_LM = HeadFamily(
         "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
     ),
     _multimodal_lm,
+    label_smoothing=True,
 )

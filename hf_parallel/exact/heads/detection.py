@@ -19,9 +19,9 @@ from its labels alone (boxes, and per image min(boxes, queries) + eos x the unma
 
 The earlier layers' predictions are only built when the model gets its labels: they stay in the forward, and the head
 records them from the model's loss call (`LossCallWatch`); outside a checked forward the model's own loss is not run
-(`stand_in_loss`: its matching would run twice). Under DDP the model divides its box terms by the ranks' mean box
+(`LossCall.stand_in`: its matching would run twice). Under DDP the model divides its box terms by the ranks' mean box
 count over the world size again (accelerate's `reduce`: x world size); in the checked forward the model's loss is
-computed on its own rows (`own_loss_context`), as one device computes it.
+computed on its own rows (`LossCall.own_context`), as one device computes it.
 
 The labels (a list of one dict per image, `class_labels` and `boxes`) travel packed (`BoxTargets`, padded tensors with
 the images as rows), so that DataParallel splits them with the images and the padding rows of an epoch's last step are
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossHead, Route, UnsupportedHead, class_names
+from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossCall, LossHead, Route, UnsupportedHead, class_names
 
 __all__ = ["OBJECT_DETECTION", "BoxTargets", "DetectionHead"]
 
@@ -93,6 +93,16 @@ class BoxTargets(NamedTuple):
         ]
 
 
+def _stand_in_loss(arguments: dict):
+    """What a DETR model's loss call returns where hf_parallel computes the loss: no loss, and the earlier layers'
+    predictions as the model's loss would list them."""
+    classes, coords = arguments.get("outputs_class"), arguments.get("outputs_coord")
+    config = arguments.get("config")
+    if classes is None or coords is None or not getattr(config, "auxiliary_loss", False):
+        return None, None, None
+    return None, None, [{"logits": a, "pred_boxes": b} for a, b in zip(classes[:-1], coords[:-1], strict=True)]
+
+
 class DetectionHead(LossHead):
     """
     The per-image terms of a DETR-style detection loss.
@@ -109,7 +119,11 @@ class DetectionHead(LossHead):
     """
 
     route = Route.LABELS_IN_FORWARD
-    loss_call_arguments = ("outputs_class", "outputs_coord")
+    # The earlier layers' predictions exist only inside the forward; the model's own matching is spared outside the
+    # check, and in it runs on this rank's rows alone (`_rows_alone`, defined below).
+    loss_call = LossCall(
+        ("outputs_class", "outputs_coord"), stand_in=_stand_in_loss, own_context=lambda: _rows_alone()
+    )
 
     def __init__(
         self,
@@ -212,20 +226,6 @@ class DetectionHead(LossHead):
         """`[pairs]`: bbox weight x L1 + GIoU weight x (1 - GIoU) of each matched pair."""
         l1 = (predicted - target).abs().sum(-1)
         return self.bbox_weight * l1 + self.giou_weight * (1 - _pairwise_giou(predicted, target))
-
-    @staticmethod
-    def stand_in_loss(arguments: dict):
-        """What a DETR model's loss call returns where hf_parallel computes the loss: no loss, and the earlier layers'
-        predictions as the model's loss would list them."""
-        classes, coords = arguments.get("outputs_class"), arguments.get("outputs_coord")
-        config = arguments.get("config")
-        if classes is None or coords is None or not getattr(config, "auxiliary_loss", False):
-            return None, None, None
-        return None, None, [{"logits": a, "pred_boxes": b} for a, b in zip(classes[:-1], coords[:-1], strict=True)]
-
-    @staticmethod
-    def own_loss_context() -> contextlib.AbstractContextManager:
-        return _rows_alone()
 
 
 def _focal(logits: torch.Tensor, target: torch.Tensor, alpha: float, gamma: float = 2.0) -> torch.Tensor:

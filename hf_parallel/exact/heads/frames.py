@@ -47,8 +47,6 @@ class FrameClassificationHead(LossHead):
 
 
 def _frames(name: str, model, labels, smoothing: float) -> LossHead:
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name}'s frame labels.")
     return FrameClassificationHead()
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
+from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossCall, LossHead, UnsupportedHead, _logits, class_names
 
 __all__ = ["SEMANTIC_SEGMENTATION", "SegmentationHead"]
 
@@ -50,7 +50,7 @@ class SegmentationHead(LossHead):
         self.ignore_index = int(ignore_index)
         self.auxiliary_weight = auxiliary_weight
         if auxiliary_weight is not None:
-            self.captured_outputs = ("auxiliary_head",)
+            self.loss_call = LossCall(submodules=("auxiliary_head",))
 
     def valid(self, target: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         return target.ne(self.ignore_index)
@@ -79,8 +79,6 @@ class SegmentationHead(LossHead):
 
 def _segmentation(name: str, model, labels, smoothing: float) -> LossHead:
     config = model.config
-    if smoothing:
-        raise UnsupportedHead(f"label smoothing does not apply to {name}'s per-pixel loss.")
     if getattr(config, "num_labels", 2) == 1:
         raise UnsupportedHead(f"{name} with num_labels=1 has a binary loss averaged over every pixel, ignored or not.")
     ignore = getattr(config, "semantic_loss_ignore_index", getattr(config, "loss_ignore_index", 255))

@@ -71,7 +71,11 @@ class CrossEntropyHead(LossHead):
         builds_decoder_inputs (`bool`, *optional*, defaults to `False`): encoder-decoder LMs.
         per_position (`bool`, *optional*, defaults to `False`): the logits have one row per position of the labels
             (LMs, token classification), not one per sample.
+        shift_ambiguous (`bool`, *optional*): whether the check also tries the other causal shift; defaults to
+            `per_position` (an encoder-decoder's LM passes False: its labels are never shifted).
     """
+
+    ignore_index_items = True
 
     def __init__(
         self,
@@ -82,12 +86,14 @@ class CrossEntropyHead(LossHead):
         smoothing: float = 0.0,
         builds_decoder_inputs: bool = False,
         per_position: bool = False,
+        shift_ambiguous: bool | None = None,
     ):
         super().__init__(label_keys, name)
         self.shift = shift
         self.smoothing = smoothing
         self.builds_decoder_inputs = builds_decoder_inputs
         self.per_position = per_position
+        self.shift_ambiguous = per_position if shift_ambiguous is None else shift_ambiguous
 
     def pop_labels(self, inputs: dict) -> dict[str, torch.Tensor]:
         labels = super().pop_labels(inputs)
@@ -137,11 +143,15 @@ CAUSAL_LM = HeadFamily(
     class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     _cross_entropy("causal_lm", shift=True, per_position=True),
     encoder_decoder=False,
+    label_smoothing=True,
 )
 MASKED_LM = HeadFamily(
-    class_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES"), _cross_entropy("masked_lm", per_position=True)
+    class_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    _cross_entropy("masked_lm", per_position=True),
+    label_smoothing=True,
 )
 TOKEN_CLASSIFICATION = HeadFamily(
     class_names("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
     _cross_entropy("token_classification", per_position=True),
+    label_smoothing=True,
 )

@@ -1,12 +1,12 @@
 """
-DETR-style detection exact (tests/detection.py: DETR's softmax class term with its "no object" weight, Deformable
-DETR's focal one, both with auxiliary decoder layers; YOLOS): one process equals the model's own loss and gradient on
-the whole step in one forward, and its own eval loss on the whole evaluation set; gradient accumulation, torch's
-DataParallel (the emulation, even and with `gpu0_bsz`), 2-rank DDP (with and without accumulation, and an epoch's
-padded last step) and a hand-written loop (`ExactLoop`) equal one process. Stock is the control that must differ: a
-mean of micro-batch means under accumulation, and under DDP box terms divided by the ranks' mean box count over the
-world size again. Then the parts: the packed targets, the model's loss spared outside the check, RT-DETR-style losses
-warned.
+DETR-style detection exact (tests/helpers/detection.py: DETR's softmax class term with its "no object" weight,
+Deformable DETR's focal one, both with auxiliary decoder layers; YOLOS): one process equals the model's own loss and
+gradient on the whole step in one forward, and its own eval loss on the whole evaluation set; gradient accumulation,
+torch's DataParallel (the emulation, even and with `gpu0_bsz`), 2-rank DDP (with and without accumulation, and an
+epoch's padded last step) and a hand-written loop (`ExactLoop`) equal one process. Stock is the control that must
+differ: a mean of micro-batch means under accumulation, and under DDP box terms divided by the ranks' mean box count
+over the world size again. Then the parts: the packed targets, the model's loss spared outside the check, RT-DETR-style
+losses warned.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, HeadMismatch, LossCallWatch
 from hf_parallel.exact.heads.detection import BoxTargets, DetectionHead
 from hf_parallel.exact.resolve import UnsupportedHead
-from tests.detection import CASES, collate
-from tests.harness import (
+from tests.helpers.detection import CASES, collate
+from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,
     DP2,
@@ -161,7 +161,7 @@ def test_the_models_own_loss_is_spared_outside_the_check():
         return own(*args, **kwargs)
 
     model.loss_function = counted
-    watch = LossCallWatch(model, head.loss_call_arguments, instead=head.stand_in_loss)
+    watch = LossCallWatch(model, head.loss_call.arguments, instead=head.loss_call.stand_in)
     outputs = model(**batch)
     call = watch.take()
     watch.remove()

@@ -8,7 +8,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_parallel.exact import CrossEntropyHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, resolve_head
 from hf_parallel.exact.terms import split_labels
-from tests.heads import CASES, batch_of
+from tests.helpers.heads import CASES, batch_of
 
 EXPECTED_HEADS = {
     "gpt2_causal_lm": (CrossEntropyHead, "causal_lm"),

@@ -1,11 +1,11 @@
 """
-Exact beyond text: a sample of each head family (tests/modalities.py: image classification, CTC "mean" and "sum",
-speech seq2seq, semantic segmentation, a vision-language LM) equals the model's own loss and gradient on the whole
-step in one process, under gradient accumulation, torch's DataParallel (the emulation, even and with `gpu0_bsz`) and
-2-rank DDP, in training and evaluation; stock is the control that must differ (x2 for the heads that average their own
-loss and take `**kwargs`), or, for CTC's summed loss, the fallback must not move away from it. Then the edges: losses
-that are not a sum over items are warned with their reason, a head that cannot be computed from the outputs only fails
-the check, batch normalisation is warned, the model's `loss_function` is given back.
+Exact beyond text: a sample of each head family (tests/helpers/modalities.py: image classification, CTC "mean" and
+"sum", speech seq2seq, semantic segmentation, a vision-language LM) equals the model's own loss and gradient on the
+whole step in one process, under gradient accumulation, torch's DataParallel (the emulation, even and with `gpu0_bsz`)
+and 2-rank DDP, in training and evaluation; stock is the control that must differ (x2 for the heads that average their
+own loss and take `**kwargs`), or, for CTC's summed loss, the fallback must not move away from it. Then the edges:
+losses that are not a sum over items are warned with their reason, a head that cannot be computed from the outputs only
+fails the check, batch normalisation is warned, the model's `loss_function` is given back.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hf_parallel.exact.fallback import sums_its_loss
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, LossCallWatch
 from hf_parallel.exact.heads.ctc import CTCHead
 from hf_parallel.exact.resolve import UnsupportedHead
-from tests.harness import (
+from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,
     DP2,
@@ -42,8 +42,8 @@ from tests.harness import (
     run_case,
     run_ddp_runs,
 )
-from tests.modalities import CASES, _omniasr, _segformer, _wav2vec2, ctc_rows, omniasr_rows
-from tests.tiny import tiny
+from tests.helpers.modalities import CASES, _omniasr, _segformer, _wav2vec2, ctc_rows, omniasr_rows
+from tests.helpers.tiny import tiny
 
 TOL = 1e-5
 # Stock's loss under gradient accumulation 2, over one device's: x2 where the model averages its own loss and its
@@ -168,7 +168,7 @@ def test_loss_call_watch_gives_the_model_its_loss_function_back():
     if seen:  # transformers 5.2x: the model passes them to its loss_function
         assert watch.take() == {}  # taken once
     else:  # transformers 5.19 computes its CTC loss inline: the head takes them as the model computes them
-        seen = CTCHead.inferred_call(model, batch)
+        seen = CTCHead.loss_call.inferred(model, batch)
     assert (
         seen["logit_lengths"].tolist()
         == model._get_feat_extract_output_lengths(batch["attention_mask"].sum(-1)).tolist()
@@ -187,7 +187,7 @@ def test_ctc_blank_is_the_one_the_model_passes():
     model = _omniasr(0)
     batch = default_data_collator(omniasr_rows(5, 1))
     head = resolve_head(model)
-    watch = LossCallWatch(model, head.loss_call_arguments)
+    watch = LossCallWatch(model, head.loss_call.arguments)
     own = model(**batch)
     call = watch.take()
     watch.remove()
@@ -231,7 +231,7 @@ def test_segmentation_with_an_auxiliary_head_says_how_to_train_exactly():
 
 def test_batch_normalisation_is_warned():
     """Segformer's decode head normalises over each micro-batch: warned, once, naming the split."""
-    from tests.heads import Case
+    from tests.helpers.heads import Case
 
     with_batch_norm = Case(
         "segformer_batch_norm", lambda seed: _bn_segformer(seed), CASES["segformer_segmentation"].rows
@@ -268,7 +268,7 @@ class _PrefixedLlama(LlamaForCausalLM):
 
 
 def test_logits_longer_than_the_labels_fall_back_with_the_reason_not_a_crash():
-    from tests.heads import Case, lm_rows
+    from tests.helpers.heads import Case, lm_rows
 
     cls = types.new_class("LlamaForCausalLM", (_PrefixedLlama,))  # resolved by its class name: a causal LM
 

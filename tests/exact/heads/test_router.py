@@ -1,10 +1,10 @@
 """
-The router loss of a mixture-of-experts LM (tests/moe.py: Mixtral, Qwen3-MoE with a dense first layer), exact over
-the whole batch: one process, torch's DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank DDP equal the
-model's own loss and gradient on all the step's rows in one forward, and the evaluation loss the model's own loss on
-the whole set. Under gradient accumulation (one process, DataParallel, DDP) the router term is that of one forward over
-the whole step too (`router_balance="step"`, the default), or with `router_balance="micro_batch"` each micro-batch's,
-averaged over the step, with a warning. Stock is the control that must differ.
+The router loss of a mixture-of-experts LM (tests/helpers/moe.py: Mixtral, Qwen3-MoE with a dense first layer), exact
+over the whole batch: one process, torch's DataParallel (the emulation, even and with `gpu0_bsz`) and 2-rank DDP equal
+the model's own loss and gradient on all the step's rows in one forward, and the evaluation loss the model's own loss
+on the whole set. Under gradient accumulation (one process, DataParallel, DDP) the router term is that of one forward
+over the whole step too (`router_balance="step"`, the default), or with `router_balance="micro_batch"` each
+micro-batch's, averaged over the step, with a warning. Stock is the control that must differ.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import hf_parallel
 from hf_parallel import ExactLoop
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.router import RouterBalance, router_balance_of
-from tests.harness import (
+from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,
     DP2,
@@ -38,8 +38,8 @@ from tests.harness import (
     run_case,
     run_ddp_runs,
 )
-from tests.moe import CASES, ROUTER_COEF
-from tests.tiny import tiny
+from tests.helpers.moe import CASES, ROUTER_COEF
+from tests.helpers.tiny import tiny
 
 TOL = 1e-5
 

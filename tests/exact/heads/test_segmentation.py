@@ -18,9 +18,9 @@ from transformers.data.data_collator import default_data_collator
 
 import hf_parallel
 from hf_parallel.exact import resolve_head
-from tests.harness import GA2, SINGLE, TRAIN_ROWS, max_relative_diff, record_hf_parallel_log, run_case
-from tests.heads import Case
-from tests.tiny import tiny
+from tests.helpers.harness import GA2, SINGLE, TRAIN_ROWS, max_relative_diff, record_hf_parallel_log, run_case
+from tests.helpers.heads import Case
+from tests.helpers.tiny import tiny
 
 TOL = 1e-5
 CLASSES = 3

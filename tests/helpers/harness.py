@@ -1,7 +1,7 @@
 """
 The one way the tests train: `training_args` builds the arguments of a tiny CPU training, `run_case` trains a case
-(a tiny model and its rows, tests/heads.py) under a topology and reports what an exact loss must keep equal, and
-`run_ddp` / `run_ddp_runs` run cases on spawned CPU ranks. `record_hf_parallel_log` records what hf_parallel warns
+(a tiny model and its rows, tests/helpers/heads.py) under a topology and reports what an exact loss must keep equal,
+and `run_ddp` / `run_ddp_runs` run cases on spawned CPU ranks. `record_hf_parallel_log` records what hf_parallel warns
 about (the `hf_parallel_log` fixture of tests/conftest.py, or in a spawned rank).
 
 A topology is (per-device batch, gradient accumulation, DDP processes, emulated DataParallel devices, gpu0_bsz or
@@ -29,8 +29,8 @@ import transformers
 
 from hf_parallel import ExactLoop, Trainer, TrainingArguments, unwrap_model
 from hf_parallel.testing import simulate_data_parallel, simulated_training_args, spawn_cpu_ranks
-from tests.heads import CASES, Case
-from tests.tiny import IterableRows
+from tests.helpers.heads import CASES, Case
+from tests.helpers.tiny import IterableRows
 
 TRAIN_ROWS = 8  # 2B with B = 4
 EVAL_ROWS = 7  # not divisible by 2 ranks x 2 rows: DDP evaluation pads with duplicates
@@ -124,7 +124,8 @@ class Capture(transformers.TrainerCallback):
 class RunResult:
     """
     What `run_case` reports of one training: the first logged loss and every logged one, `train_loss`, `eval_loss`
-    (None without evaluation), the first step's gradient and the parameters after training (by name), the wrapper
+    (None without evaluation), the first step's gradient and the parameters after training (by name), whether the last
+    steps took the steady step, the wrapper
     the Trainer trained through (`wrapped`), the topology it saw, the trainer itself (None once it crossed processes),
     the emulated DataParallel's records (`emulation`, None without it) and, from a DDP spawn, how far the ranks'
     parameters are apart.
@@ -142,6 +143,8 @@ class RunResult:
     trainer: Any = None
     emulation: Any = None
     max_rank_param_diff: float | None = None
+    #: Whether the run's last steps took the steady step (`hf_parallel.exact.step`); None for a stock run.
+    steady: bool | None = None
 
 
 def run_case(
@@ -216,6 +219,7 @@ def run_case(
             parallel_mode=str(trainer.args.parallel_mode),
             trainer=trainer,
             emulation=emulation,
+            steady=getattr(trainer, "_steady", None) is not None if not stock else None,
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # In a child process's environment: it sees no GPU (CUDA reads the variable when it initialises), so a test of a CPU
 # run (a launch with gloo, a CPU-only config) has the same outcome on a machine with GPUs. In-process: `no_gpus`.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(setup|skip)\s+(.*?)\s*-->")
 FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
 # A skipped block must need something the test machines do not have.

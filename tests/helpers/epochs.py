@@ -5,7 +5,7 @@ sampled, so that one device sees the same rows, then the leftover rows, as the D
 
 from __future__ import annotations
 
-from tests.harness import RunResult, Topology, run_case
+from tests.helpers.harness import RunResult, Topology, run_case
 
 # Sequential sampling, so that one device sees rows 0-7, then the leftover rows, as the ranks together do.
 EPOCH = {"max_steps": -1, "num_train_epochs": 1, "train_sampling_strategy": "sequential", "evaluate_first": False}

@@ -27,7 +27,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from tests.tiny import VOCAB, ListDataset, classification_rows, tiny, tiny_bert_classifier, tiny_bert_config
+from tests.helpers.tiny import VOCAB, ListDataset, classification_rows, tiny, tiny_bert_classifier, tiny_bert_config
 
 SEQ = 8
 NUM_LABELS = 3
@@ -81,17 +81,21 @@ def _lengths(g: torch.Generator, n: int) -> torch.Tensor:
     return lengths
 
 
-def _padded(g: torch.Generator, n: int):
-    ids = torch.randint(5, VOCAB, (n, SEQ), generator=g)
-    lengths = _lengths(g, n)
-    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+def _padded(g: torch.Generator, n: int, lengths=None, vocab: int = VOCAB):
+    seq = SEQ if lengths is None else max(lengths)
+    ids = torch.randint(5, vocab, (n, seq), generator=g)
+    lengths = _lengths(g, n) if lengths is None else torch.tensor(lengths)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
     return ids * mask, mask
 
 
-def lm_rows(n: int, seed: int) -> list[dict]:
-    """Causal LM: labels = input_ids, -100 on padding. Row 0 has one token, so nothing to predict after the shift."""
+def lm_rows(n: int, seed: int, *, lengths: tuple[int, ...] | None = None, vocab: int = VOCAB) -> list[dict]:
+    """
+    Causal LM: labels = input_ids, -100 on padding. Row 0 has one token, so nothing to predict after the shift; or,
+    with `lengths` (n of them), rows of those lengths, padded to the longest; ids below `vocab`.
+    """
     g = torch.Generator().manual_seed(seed)
-    ids, mask = _padded(g, n)
+    ids, mask = _padded(g, n, lengths, vocab)
     labels = ids.masked_fill(mask == 0, -100)
     return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
 

@@ -22,7 +22,7 @@ What ran is recorded in a `FusedCalls` shared by the model and its replicas (`mo
 "the full logits were never built in training" from it.
 
 ```python
-from tests.fused import fuse_loss
+from tests.helpers.fused import fuse_loss
 
 record = fuse_loss(model, chunk_size=1024)
 model.train()

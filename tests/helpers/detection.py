@@ -19,7 +19,7 @@ from transformers import (
     YolosForObjectDetection,
 )
 
-from tests.heads import Case
+from tests.helpers.heads import Case
 
 NUM_LABELS = 3
 QUERIES = 5

@@ -1,5 +1,5 @@
 """
-What the docs' code blocks take as given (`model`, `train_ds`, ...), by setup name (tests/docs_blocks.py): tiny
+What the docs' code blocks take as given (`model`, `train_ds`, ...), by setup name (tests/helpers/docs_blocks.py): tiny
 models built from configs and rows made in code, as every test uses. Each setup gets an ExitStack for what it must
 undo, and the page's working folder.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.heads import CASES, lm_rows, seq2seq_rows
-from tests.tiny import ListDataset, classification_rows, tiny_bert_classifier
+from tests.helpers.heads import CASES, lm_rows, seq2seq_rows
+from tests.helpers.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 
 def classifier(stack: contextlib.ExitStack, workdir: Path) -> dict:

@@ -29,8 +29,8 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from tests.heads import Case
-from tests.tiny import tiny
+from tests.helpers.heads import Case
+from tests.helpers.tiny import tiny
 
 NUM_LABELS = 3
 IMAGE = 16  # pixels a side

@@ -24,8 +24,8 @@ from transformers import (
 )
 from transformers.data.data_collator import default_data_collator
 
-from tests.heads import Case
-from tests.tiny import tiny
+from tests.helpers.heads import Case
+from tests.helpers.tiny import tiny
 
 IMAGE = 16
 TEXT = 6

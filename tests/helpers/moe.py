@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tests.heads import Case, lm_rows
-from tests.tiny import tiny
+from tests.helpers.heads import Case, lm_rows
+from tests.helpers.tiny import tiny
 
 ROUTER_COEF = 0.5
 

@@ -14,8 +14,8 @@ from transformers import BertForSequenceClassification
 from hf_parallel import BalancedDataParallel, Trainer, TrainingArguments, unwrap_model
 from hf_parallel.saving.checkpoints import stored_keys
 from hf_parallel.testing import simulate_data_parallel
-from tests.harness import training_args
-from tests.tiny import classification_rows, tiny_bert_classifier
+from tests.helpers.harness import training_args
+from tests.helpers.tiny import classification_rows, tiny_bert_classifier
 
 WRAPPER_PARTS = {"module", "_orig_mod"}
 
