@@ -163,7 +163,10 @@ def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:
 
 
 SEQ2SEQ_LM = HeadFamily(
-    class_names("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"), _seq2seq_lm, encoder_decoder=True, label_smoothing=True
+    class_names("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    _seq2seq_lm,
+    encoder_decoder=True,
+    label_smoothing=True,
 )
 # Decoders in the seq2seq mapping (AudioFlamingo3, MusicFlamingo: audio placeholders, then text): a causal LM.
 SEQ2SEQ_DECODER_LM = HeadFamily(SEQ2SEQ_LM.classes, _multimodal_lm, encoder_decoder=False, label_smoothing=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import HeadFamily, HeadMismatch, LossHead, UnsupportedHead, _logits, class_names
+from .base import HeadFamily, HeadMismatch, LossHead, _logits, class_names
 
 __all__ = ["AUDIO_FRAME_CLASSIFICATION", "FrameClassificationHead"]
 
