@@ -37,13 +37,18 @@ def test_ddp_fsdp_and_zero_add_every_rank_and_undo_the_average():
     [(2, (0, 19, 8), 2), (3, (0, 19, 8), 4), (3, (0, 20, 2), 2), (1, None, 2)],
 )
 def test_ulysses_scales_by_its_data_parallel_ranks_and_logs_the_whole(stage, version, factor):
-    """4 ranks, sequence parallel x2: ZeRO adds the SP ranks' parts and averages the 2 data-parallel ranks (ZeRO-3
-    before deepspeed 0.20.2 averages all 4); each rank's share is logged as a DDP rank's.""" engine = pick_engine(4,
-    reduce_sum=_sum, deepspeed_stage=stage, sequence_parallel=2, deepspeed_version=version) assert (engine.count_ranks,
-    engine.gradient_factor, engine.log_ranks) == (4, factor, 4) assert engine.shards_sequence and not
-    engine.pads_epoch_end loss = torch.tensor(0.5, requires_grad=True) valued = engine.valued(loss) assert
-    valued.item() == pytest.approx(0.5 * 4 / factor) valued.backward() assert loss.grad.item() == 1.0  # the gradient
-    of the share, unchanged
+    """
+    4 ranks, sequence parallel x2: ZeRO adds the SP ranks' parts and averages the 2 data-parallel ranks (ZeRO-3
+    before deepspeed 0.20.2 averages all 4); each rank's share is logged as a DDP rank's.
+    """
+    engine = pick_engine(4, reduce_sum=_sum, deepspeed_stage=stage, sequence_parallel=2, deepspeed_version=version)
+    assert (engine.count_ranks, engine.gradient_factor, engine.log_ranks) == (4, factor, 4)
+    assert engine.shards_sequence and not engine.pads_epoch_end
+    loss = torch.tensor(0.5, requires_grad=True)
+    valued = engine.valued(loss)
+    assert valued.item() == pytest.approx(0.5 * 4 / factor)
+    valued.backward()
+    assert loss.grad.item() == 1.0  # the gradient of the share, unchanged
 
 
 def test_several_processes_need_a_way_to_add_their_counts():

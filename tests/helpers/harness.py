@@ -124,11 +124,10 @@ class Capture(transformers.TrainerCallback):
 class RunResult:
     """
     What `run_case` reports of one training: the first logged loss and every logged one, `train_loss`, `eval_loss`
-    (None without evaluation), the first step's gradient and the parameters after training (by name), whether the last
-    steps took the steady step, the wrapper
-    the Trainer trained through (`wrapped`), the topology it saw, the trainer itself (None once it crossed processes),
-    the emulated DataParallel's records (`emulation`, None without it) and, from a DDP spawn, how far the ranks'
-    parameters are apart.
+    (None without evaluation), the first step's gradient and the parameters after training (by name), the wrapper the
+    Trainer trained through (`wrapped`), the topology it saw, the trainer itself (None once it crossed processes), the
+    emulated DataParallel's records (`emulation`, None without it), from a DDP spawn how far the ranks' parameters are
+    apart, and whether the last steps took the steady step.
     """
 
     loss: float | None
