@@ -233,7 +233,7 @@ def one_target_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_control_stock_nan_with_one_target_and_averaging_off(monkeypatch):
-    from tests import heads
+    from tests.helpers import heads
 
     monkeypatch.setitem(heads.CASES, "one_target", heads.Case("one_target", heads.llama, one_target_rows))
     topology = Topology("DP 2", per_device=2, dp_devices=2)
@@ -276,7 +276,7 @@ def no_target_rows(n: int, seed: int) -> list[dict]:
 
 @pytest.mark.parametrize("topology", [SINGLE, IN_PROCESS[1]], ids=["single", "DP 2"])
 def test_a_step_without_targets_contributes_zero_not_nan(monkeypatch, topology):
-    from tests import heads
+    from tests.helpers import heads
 
     monkeypatch.setitem(heads.CASES, "no_target", heads.Case("no_target", heads._gpt2, no_target_rows))
     result = run_case("no_target", topology)

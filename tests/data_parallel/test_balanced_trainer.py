@@ -13,7 +13,7 @@ from transformers.training_args import ParallelMode
 import hf_parallel
 from hf_parallel import Trainer
 from hf_parallel.testing import simulate_data_parallel, spawn_cpu_ranks
-from tests import harness
+from tests.helpers import harness
 from tests.helpers.harness import Topology, record_hf_parallel_log, run_case, training_args
 from tests.helpers.heads import CLASSIFIER
 from tests.helpers.tiny import classification_rows
