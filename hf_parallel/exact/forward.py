@@ -6,10 +6,8 @@ The forward runs by the head's route (`hf_parallel.exact.heads.Route`): the labe
 the logits, or kept in (the model builds its decoder inputs), or the model's own loss given the step's count C
 (`num_items_in_batch`), or the user's `compute_loss_func`. Under DataParallel each replica computes the terms of its
 own rows (`hf_parallel.exact.replicas`); only `Terms` travel to GPU 0. The first forward of a model is checked
-against the model's own loss (`hf_parallel.exact.check`): it keeps the labels in, and a per-position cross-entropy
-of a model whose forward takes `num_items_in_batch` is given N = 2C + 1/2 (no count of items, and twice C, so that a
-loss divided by it, S / N, and one that keeps its own mean, S / C, differ by a factor of 2 at any C and precision; an
-offset of 1/2 alone moved S / N by 1 / (2C), below a float32 loss's tolerance from 5,000 items on).
+against the model's own loss by a piece that wraps this forward (`hf_parallel.exact.checked`); its verdict is decided
+in `hf_parallel.exact.check`. The steady steps of a plain run take a shorter path (`hf_parallel.exact.step`).
 
 ```python
 from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
@@ -33,17 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compare import (
-    ReplicaCheck,
-    can_use_model_loss,
-    fused_outputs,
-    probe_count,
-    replica_check,
-    takes_gradient_from_loss,
-)
+from .checked import CheckedForward
+from .compare import can_use_model_loss, fused_outputs
 from .coupled import contrastive_loss
-from .heads import HeadMismatch, LossHead, Route
-from .heads.base import LOSS_CALL_KEY, LossCallWatch
+from .heads import LossHead, Route
+from .heads.base import LOSS_CALL_KEY
 from .replicas import (
     Reporting,
     gathers_as_torch,
@@ -61,14 +53,13 @@ from .terms import (
     model_labels,
     model_terms,
     router_terms,
-    sample_terms,
     sequence_length,
     split_labels,
     user_loss_total,
     watching_loss_call,
 )
 
-__all__ = ["RunContext", "check_terms", "micro_batch_loss"]
+__all__ = ["RunContext", "micro_batch_loss"]
 
 
 @dataclass(frozen=True)
@@ -121,32 +112,32 @@ def micro_batch_loss(
         return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
     owner = model if context.owner is None else context.owner
     given, step = step, exact.current_counts(step)  # recounted where the check changed the head
-    check = exact.pending_check(head, owner, inputs)
+    candidates = exact.pending_check(head, owner, inputs)
     own = head.route is Route.MODEL_LOSS
-    probe = check is not None and can_use_model_loss(head, exact.unwrap(owner))
-    if "skip_logits" in inputs and (check is not None or not own):
+    if "skip_logits" in inputs and (candidates is not None or not own):
         # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); the check
         # compares the logits, and a recomputed loss is made of them.
         inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
-    inputs, labels = split_labels(head, inputs, model, check is None and not own, exact.unwrap)
+    inputs, labels = split_labels(head, inputs, model, candidates is None and not own, exact.unwrap)
     user_loss = head.route is Route.USER_LOSS and context.loss_func is not None
     total = user_loss_total(head, labels, step, inputs, context.main_input_name) if user_loss else None
-    run = _Forward(exact, head, context.loss_func if user_loss else None, total, step, context, check, probe)
     data_parallel = is_data_parallel(model)
-    run.keep = return_outputs and (exact.outputs_wanted or not data_parallel)
-    run.drop_cache = data_parallel
+    keep = return_outputs and (exact.outputs_wanted or not data_parallel)
     # Which decoder inputs the model builds itself; what it passes to its own loss function (CTC's logit lengths).
-    watching_call = watching_loss_call(head, model, exact.unwrap, checked=check is not None)
-    with exact.watching_decoder(check, model, inputs), watching_call as loss_call:
-        run.loss_call = loss_call
+    watching_call = watching_loss_call(head, model, exact.unwrap, checked=candidates is not None)
+    with exact.watching_decoder(candidates, model, inputs), watching_call as loss_call:
+        run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=data_parallel, loss_call=loss_call)
+        if candidates is not None:
+            # The first forward of the head: checked against the model's own loss, in a piece of its own.
+            run = CheckedForward(run, candidates, can_use_model_loss(head, exact.unwrap(owner)))
         if not data_parallel:
             terms, outputs = run(model, inputs, labels)
         else:
-            terms, outputs = _in_replicas(exact, model, run, inputs, labels, context.autocast_dtype)
-    if check is not None and terms.check is None:
-        check = None  # no replica ran the check (`_ReplicasReport`): it stays pending
-    if check is not None:
-        head, terms = exact.settle(check, owner, terms, given)
+            terms, outputs = _in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, keep)
+    if candidates is not None and terms.check is None:
+        candidates = None  # no replica ran the check (`_ReplicasReport`): it stays pending
+    if candidates is not None:
+        head, terms = exact.settle(candidates, owner, terms, given)
         step = exact.current_counts(given)
     if head is None:
         # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss of the
@@ -157,14 +148,13 @@ def micro_batch_loss(
     return loss, outputs
 
 
-def _in_replicas(exact, wrapper: nn.DataParallel, run: _Forward, inputs: dict, labels: dict, autocast_dtype):
+def _in_replicas(exact, wrapper: nn.DataParallel, run, inputs: dict, labels: dict, autocast_dtype, keep: bool):
     """`run` in every replica of `wrapper` (`run_in_replicas`): its `Terms` and the outputs it keeps."""
     if not gathers_as_torch(wrapper):
         # A forward of its own splits the batch as it likes: only the tensors of the batch go in, as under stock.
-        return run_in_replicas(
-            wrapper, run, inputs, labels, autocast_dtype, _ReplicasReport(exact, run, inputs, labels)
-        )
-    if not run.keep and "use_cache" not in inputs and takes_use_cache(wrapper.module):
+        report = _ReplicasReport(exact, run, inputs, labels, keep)
+        return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype, report)
+    if not keep and "use_cache" not in inputs and takes_use_cache(wrapper.module):
         inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
     return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype)
 
@@ -179,9 +169,9 @@ class _ReplicasReport(Reporting):
     were gathered (exact, at the cost of the whole batch's outputs there), warned once.
     """
 
-    def __init__(self, exact, run: _Forward, inputs: dict, labels: dict):
+    def __init__(self, exact, run, inputs: dict, labels: dict, keep: bool):
         super().__init__()
-        self.exact, self.run, self.inputs, self.labels = exact, run, inputs, labels
+        self.exact, self.run, self.inputs, self.labels, self.keep = exact, run, inputs, labels, keep
 
     def kept(self, result: tuple[Terms, Any]) -> Terms:
         return result[0]
@@ -191,16 +181,15 @@ class _ReplicasReport(Reporting):
 
     def merged(self, gathered: Terms | None, returned: Any) -> tuple[Terms, Any]:
         if gathered is not None:
-            return gathered, (returned if self.run.keep else None)
-        run = self.run
+            return gathered, (returned if self.keep else None)
+        checked = isinstance(self.run, CheckedForward)
         self.exact.warn_once(
             "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas cannot "
             "compute their own loss terms; the loss is computed from the outputs the wrapper gathered (exact, but the "
             "whole batch's logits are gathered on the first device)."
-            + (" The model's own loss is not checked against the head." if run.check is not None else "")
+            + (" The model's own loss is not checked against the head." if checked else "")
         )
-        plain = _Forward(self.exact, run.head, run.loss_func, run.total, run.step, run.context, None, False)
-        plain.keep = run.keep
+        plain = self.run.plain if checked else self.run
         return plain(_Returned(returned), self.inputs, self.labels)
 
 
@@ -216,33 +205,43 @@ class _Returned:
 
 class _Forward:
     """
-    One forward and its `Terms`, run where the outputs are: in the caller, or in each DataParallel replica on its
-    rows (`ReplicaStep` calls it with the replica's model and chunks).
+    One plain forward of the head's route and its `Terms`, run where the outputs are: in the caller, or in each
+    DataParallel replica on its rows (`ReplicaStep` calls it with the replica's model and chunks). The first forward of
+    a head is this one wrapped in `hf_parallel.exact.checked.CheckedForward`.
+
+    Args:
+        exact (`ExactLoss`): the run's loss state.
+        head (`LossHead`): the head; its route says what the model is given.
+        step (`StepCounts`, *optional*): the step's counts (None in evaluation).
+        context (`RunContext`): what stays the same over the run.
+        total (`torch.Tensor`, *optional*): the count a user loss divides by; None without a user loss.
+        keep (`bool`, *optional*): return the model's outputs (without their cache where `drop_cache`).
+        drop_cache (`bool`, *optional*): drop the outputs' cache (a DataParallel gather would carry it).
+        loss_call (`LossCallWatch`, *optional*): the watch on the model's loss call, for a head that declares one.
     """
 
-    def __init__(self, exact, head, loss_func, total, step, context: RunContext, check, probe: bool):
-        self.exact, self.head, self.loss_func, self.total, self.step = exact, head, loss_func, total, step
-        self.context, self.main_input_name, self.check, self.probe = context, context.main_input_name, check, probe
-        self.own = head.route is Route.MODEL_LOSS
-        self.keep = False
-        self.drop_cache = False
-        self.loss_call: LossCallWatch | None = None
-        # The model gets the labels for the check, for its own loss, and where it builds its decoder inputs itself.
-        self.with_labels = check is not None or head.route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD)
+    def __init__(
+        self, exact, head, step, context: RunContext, total=None, *, keep=False, drop_cache=False, loss_call=None
+    ):
+        self.exact, self.head, self.step, self.context, self.total = exact, head, step, context, total
+        self.loss_func = context.loss_func if total is not None else None
+        self.keep, self.drop_cache, self.loss_call = keep, drop_cache, loss_call
 
     def __call__(self, run, inputs: dict, labels: dict):
-        exact, head = self.exact, self.head
+        outputs, labels, count = self.forward(run, inputs, labels)
+        return self.terms(outputs, labels, inputs, count), self.kept(outputs)
+
+    def forward(self, run, inputs: dict, labels: dict, count=None, with_labels: bool = False):
+        """
+        The model's outputs, the labels with what its loss call passed (`LOSS_CALL_KEY`), and the count it was given.
+        The model gets its labels where the route keeps them in (or `with_labels`), and as `num_items_in_batch` the
+        step's count C where its own loss is the head's (S / C of the step in training, S in evaluation), else `count`.
+        """
+        head = self.head
         targets = model_labels(labels)
-        seq_len = sequence_length(inputs, self.main_input_name)
-        device = batch_device(targets, inputs)
-        count = None
-        if self.own:
-            # S / C of the step in training; S itself in evaluation.
-            count = self.step.total().to(device) if self.step is not None else 1
-        elif self.probe:
-            items = head.count(targets, seq_len).sum().to(device)
-            count = probe_count(items).requires_grad_(torch.is_grad_enabled())
-        extra = targets if self.with_labels else {}
+        if head.route is Route.MODEL_LOSS:
+            count = self.step.total().to(batch_device(targets, inputs)) if self.step is not None else 1
+        extra = targets if with_labels or head.route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD) else {}
         if count is not None:
             extra = {**extra, "num_items_in_batch": count}
         outputs = run(**inputs, **extra)
@@ -252,46 +251,27 @@ class _Forward:
                 # A model that computes its loss inline passes nothing: its arguments as it computes them.
                 seen = head.loss_call.inferred(getattr(run, "module", run), inputs)
             labels = {**labels, LOSS_CALL_KEY: seen}
-        from_loss = False
-        if self.own or (self.probe and fused_outputs(outputs)):
-            terms = model_terms(head, outputs, labels, seq_len, count)
-        else:
-            here = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
-            # A checked forward whose gradient comes from the model's own loss computes the head only to compare.
-            from_loss = self.check is not None and self.loss_func is None and takes_gradient_from_loss(head, outputs)
-            try:
-                router = router_terms(head, outputs, labels, inputs, exact.evaluating)
-                with torch.no_grad() if from_loss else contextlib.nullcontext():
-                    terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
-                terms = terms._replace(router=router)
-            except HeadMismatch:
-                if self.check is None:
-                    raise
-                terms = Terms()  # the check rules the head out (`replica_check`)
-        if self.check is not None:
-            given = count if self.probe else None
-            check = check_terms(exact, self.check, outputs, labels, inputs, terms, given, from_loss)
-            terms = terms._replace(check=check)
+        return outputs, labels, count
+
+    def from_model_loss(self, outputs, count) -> bool:
+        """Whether the terms are read off the model's own loss: its route, or fused outputs (no logits) and a count."""
+        return self.head.route is Route.MODEL_LOSS or (count is not None and fused_outputs(outputs))
+
+    def terms(self, outputs, labels: dict, inputs: dict, count=None, without_grad: bool = False) -> Terms:
+        """The forward's `Terms`: read off the model's own loss (`from_model_loss`), or the head's sums from the
+        outputs (or the user loss), computed `without_grad` where only compared (a checked forward)."""
+        head, exact = self.head, self.exact
+        if self.from_model_loss(outputs, count):
+            seq_len = sequence_length(inputs, self.context.main_input_name)
+            return model_terms(head, outputs, labels, seq_len, count)
+        here = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
+        router = router_terms(head, outputs, labels, inputs, exact.evaluating)
+        with torch.no_grad() if without_grad else contextlib.nullcontext():
+            terms = forward_terms(head, outputs, labels, inputs, exact.evaluating, self.loss_func, here)
+        return terms._replace(router=router)
+
+    def kept(self, outputs):
+        """The outputs to return: None unless kept, without their cache where it must not travel."""
         if not self.keep:
-            return terms, None
-        return terms, (without_cache(outputs) if self.drop_cache else outputs)
-
-
-def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
-    """
-    In a checked forward (in a DataParallel replica: for its rows), what it says of `candidates` (`replica_check`),
-    `terms` holding the first candidate's; the others computed without autograd `from_loss` (see
-    `takes_gradient_from_loss`).
-    """
-
-    def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad() if from_loss else contextlib.nullcontext():
-            return sample_terms(head, outputs, dict(labels), inputs, exact.evaluating)
-
-    known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
-    decoder = exact.check.decoder_vote(labels)
-    # The model's loss adds its router term on these rows: so does every candidate's.
-    router = candidates[0].router.loss(terms.router.detach().sum(0)) if terms.router is not None else None
-    return replica_check(
-        candidates, outputs, terms_of, known, count, from_loss, decoder, exact.check.note_mismatch, router
-    )
+            return None
+        return without_cache(outputs) if self.drop_cache else outputs
