@@ -1,5 +1,9 @@
 """`Trainer`, `Seq2SeqTrainer` and `TrainerMixin` (hf_parallel for any Trainer subclass): their overrides only, each
-"not ours: super()" or a call into a collaborator (`hf_parallel.exact`, `data_parallel`, `checkpoints`, ...)."""
+"not ours: super()" or a call into the room it serves (`hf_parallel.exact`, `data_parallel`, `saving`, `launch`, ...).
+
+A training step: `get_batch_samples` counts it (`exact.step.SteadyStep.count` once the first step's check has settled
+the head; the whole way before, `_whole_step_counts`), `training_step` and `compute_loss` compute each micro-batch's
+loss (`exact.step.SteadyStep.loss`, or `exact.micro_batch_loss` the whole way): docs/contributing.md traces it."""
 
 from __future__ import annotations
 
@@ -140,7 +144,7 @@ class TrainerMixin:
             return f"{owner.__name__} overrides compute_loss, which then owns the normalisation."
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
         if sizes["sequence"] > 1 and getattr(self.accelerator.parallelism_config, "sp_backend", None) == "deepspeed":
-            sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (see __init__)
+            sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (its engine's factor)
         if any(size > 1 for size in sizes.values()):
             return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
         return None
@@ -155,7 +159,10 @@ class TrainerMixin:
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
         if self._steady is not None and end is None:
-            return batch_samples, self._steady.count(batch_samples, device)
+            try:
+                return batch_samples, self._steady.count(batch_samples, device)
+            except KeyError:  # a batch without the head's labels: the whole way warns and gives stock's count
+                pass
         return batch_samples, self._whole_step_counts(batch_samples, end, device)
 
     def _pick_engine(self) -> Engine:
@@ -201,21 +208,19 @@ class TrainerMixin:
     def training_step(
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
     ) -> torch.Tensor:
-        if self._steady is not None and isinstance(num_items_in_batch, StepCounts):
-            scaled, self.loss_is_scaled_for_ga = self.loss_is_scaled_for_ga, True  # see below
-            try:
-                return super().training_step(model, inputs, num_items_in_batch)
-            finally:
-                self.loss_is_scaled_for_ga = scaled
-        if not isinstance(num_items_in_batch, StepCounts) or self._exact_head(inputs) is None:
+        exact = isinstance(num_items_in_batch, StepCounts)
+        if not exact or (self._steady is None and self._exact_head(inputs) is None):
             # Stock's, also for the rest of a step whose first micro-batch fell back (the model's own loss is not
             # one hf_parallel can recompute): that step was counted as exact.
             count = StepCounts.as_stock(num_items_in_batch)
             return stock_training_step(self, super().training_step, model, inputs, count)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
-        with temporarily(self, "loss_is_scaled_for_ga", True):
+        scaled, self.loss_is_scaled_for_ga = self.loss_is_scaled_for_ga, True
+        try:
             return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.loss_is_scaled_for_ga = scaled
 
     def compute_loss(
         self,
@@ -298,7 +303,7 @@ class TrainerMixin:
         if cannot is not None:
             self.exact.warn_once(cannot)
 
-    # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in data_parallel.py) ----
+    # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in hf_parallel.data_parallel) ----
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         wrapped = balanced_wrapper(model, self.args, self.accelerator, training, self.model_accepts_loss_kwargs)
         if wrapped is not None:
@@ -344,7 +349,7 @@ class TrainerMixin:
         if self.is_deepspeed_enabled:
             before_engine(unwrap_model(self.model), self.accelerator.state.deepspeed_plugin.zero_stage)
 
-    # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: unwrap.py, checkpoints.py) ----
+    # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: hf_parallel.saving) ----
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         # Stock's save, into a staging folder renamed to checkpoint-N once every process has written it: a kill
         # mid-save leaves the last complete checkpoint in place, and rotation runs only after the new one is complete.

@@ -211,7 +211,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.full  # two launches of two processes (~15 s): .ci/run runs it in its own step
 def test_two_machines_on_loopback_form_one_group(model_dir, single_process_run, tmp_path, capsys):
     # The config comes from `hf-parallel config`, as a user on a cluster would write it; machine 1 overrides the rank.
     config = tmp_path / "two_machines.yaml"
@@ -246,7 +246,7 @@ def test_two_machines_on_loopback_form_one_group(model_dir, single_process_run, 
     assert _max_weight_diff(out, reference) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.full  # torchrun twice, stock's and ours (~11 s): .ci/run runs it in its own step
 def test_mislaunch_without_use_cpu_stops_where_stock_trains_unsynchronised_copies(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
