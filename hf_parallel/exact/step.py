@@ -88,7 +88,7 @@ class SteadyStep:
         if self.model_loss:
             # The model divides its own loss sum by the step's count: S / C itself.
             outputs = model(**inputs, **labels, num_items_in_batch=step.counts.sum())
-            loss = outputs["loss"].float() * step.scale
+            loss = (outputs["loss"] if isinstance(outputs, dict) else outputs[0]).float() * step.scale
         else:
             outputs = model(**inputs, **labels) if self.labels_in_forward else model(**inputs)
             sums, _ = head.row_terms(outputs, labels)
