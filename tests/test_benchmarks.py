@@ -44,7 +44,6 @@ def test_reach_lora_case_shows_stock_off_and_hf_parallel_exact(capsys):
     assert printed[2][4].startswith("x1.000, err ")
 
 
-@pytest.mark.full  # ~12 s of DDP spawns: .ci/run runs it in its own step
 def test_router_benchmark_shows_stock_off_and_the_step_balance_exact(capsys):
     result = router.main(["--steps", "2", "--rounds", "1", "--batch", "4"])
     stock_off = result["stock"][1]
@@ -130,7 +129,6 @@ def test_balance_gpu_says_which_steps_the_peak_covers(capsys):
     assert lines[1].endswith("gpu0_bsz=0: 50% below: PASS")
 
 
-@pytest.mark.full  # ~14 s of DDP spawns: .ci/run runs it in its own step
 def test_detection_benchmark_shows_stock_off_and_hf_parallel_exact(capsys):
     pytest.importorskip("scipy")
     rows = detection.measure(ddp=False)
