@@ -155,7 +155,7 @@ def single_process_run(model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
     return out, losses
 
 
-@pytest.mark.slow
+@pytest.mark.full  # accelerate launch of two processes (~8 s): .ci/run runs it in its own step
 def test_shipped_cpu_config_runs_ddp_equal_to_one_process(model_dir, single_process_run, tmp_path):
     out = tmp_path / "ddp"
     command = [
