@@ -1,4 +1,4 @@
-"""launch_env: what a launcher says through the environment, read in one place, without importing torch."""
+"""`hf_parallel.launch.environment`: what a launcher says through the environment, read in one place, without importing torch."""
 
 from __future__ import annotations
 
