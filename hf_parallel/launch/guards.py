@@ -317,8 +317,14 @@ def check_not_empty(dataset, name: str) -> None:
     except TypeError:  # accelerate's IterableDatasetShard around a dataset without a length
         return
     if length == 0:
+        # Training: stock's words first (its sampler's), as code written against stock matches them.
+        stock = (
+            "num_samples should be a positive integer value, but got num_samples=0: "
+            if name == "train_dataset"
+            else ""
+        )
         raise ValueError(
-            f"{name} is empty (a {type(dataset).__name__} of length 0): there is nothing to "
+            f"{stock}{name} is empty (a {type(dataset).__name__} of length 0): there is nothing to "
             f"{'train on' if name.startswith('train') else 'evaluate'}. Check the file, split or filter that built "
             "it (e.g. a `.filter(...)` or `max_*_samples` that removed every row)."
         )

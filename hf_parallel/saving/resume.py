@@ -98,7 +98,11 @@ def _newest(output_dir: str, main: bool) -> str:
     staged = _staged(output_dir)
     if not complete:
         reason = f" Torn: {_describe(torn)}." if torn else ""
-        raise ValueError(f"No complete checkpoint found in output directory ({output_dir}) to resume from.{reason}")
+        # Stock's sentence first (code written against stock matches its text), then what hf_parallel knows.
+        raise ValueError(
+            f"No valid checkpoint found in output directory ({output_dir}): no complete checkpoint to resume from."
+            f"{reason}"
+        )
     if main and (newer or staged):
         skipped = [_describe(newer)] if newer else []
         skipped += [f"{path} (a save a kill interrupted)" for path in staged]
@@ -127,9 +131,10 @@ def resolve_resume(args, resume_from_checkpoint, num_processes: int):
             complete, _ = complete_checkpoints(os.path.dirname(os.path.abspath(path)))
             hint = f" The newest complete checkpoint there is {complete[0]}." if complete else ""
             lacks = ", ".join(problems)
-            what = "does not exist" if not os.path.isdir(path) else f"cannot be resumed from: it lacks {lacks}"
+            what = "it does not exist" if not os.path.isdir(path) else f"it lacks {lacks}"
+            # Stock's sentence first (code written against stock matches its text), then what hf_parallel knows.
             raise ValueError(
-                f"resume_from_checkpoint={path!r} {what}.{hint} Pass a complete checkpoint, or "
+                f"Can't find a valid checkpoint at {path}: {what}.{hint} Pass a complete checkpoint, or "
                 "resume_from_checkpoint=True for the newest complete one."
             )
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and args.process_index == 0:

@@ -1,4 +1,5 @@
-"""`hf_parallel.launch.environment`: what a launcher says through the environment, read in one place, without importing torch."""
+"""`hf_parallel.launch.environment`: what a launcher says through the environment, read in one place, without
+importing torch."""
 
 from __future__ import annotations
 

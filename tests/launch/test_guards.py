@@ -251,9 +251,14 @@ def _empty_data_trainer(trainer_cls, args_cls, tmp_path, train_rows: int, eval_r
     )
 
 
-def test_empty_training_data_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"train_dataset is empty \(a ListDataset of length 0\)"):
+def test_empty_training_data_is_a_clear_error_in_stock_words_first(tmp_path):
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(a ListDataset of length 0\)") as ours:
         _empty_data_trainer(Trainer, TrainingArguments, tmp_path, 0, 4).train()
+    stock_trainer = _empty_data_trainer(transformers.Trainer, transformers.TrainingArguments, tmp_path / "stock", 0, 4)
+    with pytest.raises(ValueError) as stock:
+        stock_trainer.train()
+    assert str(stock.value) == "num_samples should be a positive integer value, but got num_samples=0"
+    assert str(ours.value).startswith(str(stock.value))
 
 
 def test_empty_evaluation_data_is_a_clear_error(tmp_path):

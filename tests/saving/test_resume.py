@@ -137,3 +137,45 @@ def test_stock_resumed_mid_epoch_differs(runs, reference):
     assert resumed["skipped"] == (2 if HAS_HOOK else None)
     assert resumed["losses"][-1] != pytest.approx(reference.losses[-1], rel=1e-2)  # the repeated rows, x2
     assert update_error(resumed["params"], reference.params, _initial()) > 0.1
+
+
+# ---- Drop-in: stock's words first where stock raises too ----
+
+
+def _trainers(tmp_path: Path) -> dict[str, transformers.Trainer]:
+    case = CASES["bert_single_label"]
+    made = {}
+    for name, (trainer_cls, args_cls) in {
+        "stock": (transformers.Trainer, transformers.TrainingArguments),
+        "hf_parallel": (Trainer, TrainingArguments),
+    }.items():
+        args = training_args(tmp_path / name, args_cls=args_cls, **SGD_STEP)
+        made[name] = trainer_cls(model=case.build(0), args=args, train_dataset=case.dataset(4))
+    return made
+
+
+def _message(trainer: transformers.Trainer, resume) -> str:
+    with pytest.raises(ValueError) as raised:
+        trainer.train(resume_from_checkpoint=resume)
+    return str(raised.value)
+
+
+def test_a_missing_checkpoint_is_refused_in_stock_words_first(tmp_path):
+    trainers = _trainers(tmp_path)
+    missing = str(tmp_path / "no-such-checkpoint")
+    stock = _message(trainers["stock"], missing)
+    ours = _message(trainers["hf_parallel"], missing)
+    assert stock == f"Can't find a valid checkpoint at {missing}"
+    assert ours.startswith(stock) and "it does not exist" in ours and "resume_from_checkpoint=True" in ours
+
+
+def test_no_checkpoint_to_resume_is_refused_in_stock_words_first(tmp_path):
+    trainers = _trainers(tmp_path)
+    for trainer in trainers.values():
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+    stock = _message(trainers["stock"], True)
+    ours = _message(trainers["hf_parallel"], True)
+    assert stock == f"No valid checkpoint found in output directory ({trainers['stock'].args.output_dir})"
+    assert ours.startswith(
+        f"No valid checkpoint found in output directory ({trainers['hf_parallel'].args.output_dir})"
+    )
