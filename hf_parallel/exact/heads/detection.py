@@ -302,6 +302,21 @@ def _detr_loss_module():
     return loss_for_object_detection
 
 
+def _missing_box_helpers() -> str | None:
+    """
+    Why transformers' DETR matching cannot run here, or None: it imports its box helpers (`center_to_corners_format`)
+    only where Pillow is installed, and without them its matcher stops with "NameError: name
+    'center_to_corners_format' is not defined" (stock's training as well as the head's matching).
+    """
+    module = _detr_loss_module()
+    if module is None or hasattr(module, "center_to_corners_format"):
+        return None
+    return (
+        "{name}'s Hungarian matching (transformers' own) needs Pillow, without which transformers does not import its "
+        "box helpers (NameError: name 'center_to_corners_format' is not defined): pip install pillow."
+    )
+
+
 def _losses() -> dict:
     """transformers' DETR loss functions: the matcher each uses, and whether its class term is a softmax."""
     try:
@@ -347,6 +362,9 @@ def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     if not isinstance(queries, int):
         raise UnsupportedHead(f"{name}'s config gives no number of queries (num_queries, num_detection_tokens).")
     matcher_class, softmax = losses[loss_function]
+    missing = _missing_box_helpers()
+    if missing is not None:
+        raise ImportError(missing.format(name=name))
     try:
         matcher = matcher_class(class_cost=config.class_cost, bbox_cost=config.bbox_cost, giou_cost=config.giou_cost)
     except ImportError as missing:  # the matcher needs scipy

@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 
+from hf_parallel import Trainer, TrainingArguments
 from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, HeadMismatch, LossCallWatch
 from hf_parallel.exact.heads.detection import BoxTargets, DetectionHead
@@ -29,6 +30,7 @@ from tests.helpers.harness import (
     DP3_GPU0,
     EVAL_ROWS,
     GA2,
+    SGD_STEP,
     SINGLE,
     TRAIN_ROWS,
     OneProcess,
@@ -38,6 +40,7 @@ from tests.helpers.harness import (
     own_step,
     run_case,
     run_ddp_runs,
+    training_args,
 )
 
 pytest.importorskip("scipy")  # transformers' Hungarian matcher
@@ -199,3 +202,24 @@ def test_heads_resolve_by_the_models_loss_function():
         "yolos_detection": "object_detection/softmax",
     }
     assert all(isinstance(resolve_head(CASES[case].build(0)), DetectionHead) for case in CASES)
+
+
+def test_without_pillow_detection_stops_at_the_first_step_naming_the_install(monkeypatch, tmp_path):
+    """transformers imports its box helpers only where Pillow is: without them its matcher stops with a NameError in
+    stock's training; hf_parallel refuses at the first step with one line naming `pip install pillow`."""
+    from transformers.loss import loss_for_object_detection
+
+    monkeypatch.delattr(loss_for_object_detection, "center_to_corners_format")  # as where Pillow is not installed
+    case = CASES["detr_detection"]
+    stock = _detection_trainer(case, tmp_path / "stock", transformers.Trainer, transformers.TrainingArguments)
+    with pytest.raises(NameError, match="center_to_corners_format"):
+        stock.train()
+    ours = _detection_trainer(case, tmp_path / "ours", Trainer, TrainingArguments)
+    with pytest.raises(ImportError, match=r"DetrForObjectDetection's Hungarian matching .* pip install pillow\.$"):
+        ours.train()
+    assert ours.state.global_step == 0
+
+
+def _detection_trainer(case, output_dir, trainer_cls, args_cls):
+    args = training_args(output_dir, args_cls=args_cls, **{**SGD_STEP, "per_device_train_batch_size": 2})
+    return trainer_cls(model=case.build(0), args=args, train_dataset=case.dataset(4), data_collator=case.collator)
