@@ -123,7 +123,7 @@ def test_missing_accelerate_is_named_too():
     declared = gpu_check.declared_requirements()
     found = {"torch": "2.11.0+cu130", "transformers": "5.24.0", "accelerate": None}
     error = gpu_check.version_error(found, declared)
-    assert error.startswith("gpu_check: accelerate is not installed; hf_parallel needs accelerate>=1.0"), error
+    assert error.startswith("gpu_check: accelerate is not installed; hf_parallel needs accelerate>=1.15"), error
     assert gpu_check.version_error({**found, "accelerate": "1.15.0"}, declared) is None
 
 
