@@ -43,6 +43,7 @@ from .launch.guards import (
     batch_statistics_split,
     check_launch,
     check_not_empty,
+    check_pipeline,
     check_sharding,
     evaluation_dataset_name,
 )
@@ -89,6 +90,7 @@ class TrainerMixin:
         # `module.`-prefixed checkpoints. Take the model out (a BalancedDataParallel's split moves into the args).
         if args is not None:
             model, args = unwrap_user_model(model, args)
+            check_pipeline(model)  # stock stops inside its first step's preparation
             # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
             # args.world_size sets up the devices and the process group, which is what the guards inspect.
             check_launch(args)

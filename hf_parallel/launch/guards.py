@@ -32,6 +32,7 @@ __all__ = [
     "batch_statistics_split",
     "check_data_parallel",
     "check_launch",
+    "check_pipeline",
     "check_rank_has_a_gpu",
     "check_sharding",
     "check_visible_devices",
@@ -282,6 +283,33 @@ def check_sharding(args, accelerator) -> None:
     reason = sharding_downgrade(args, accelerator.distributed_type.value, accelerator.num_processes)
     if reason is not None:
         logger.warning(reason)
+
+
+def check_pipeline(model) -> None:
+    """
+    Refuse a model split into pipeline stages at load time (`from_pretrained(..., distributed_config=
+    DistributedConfig(pp_size=N))`): the Trainer has no pipeline schedule (accelerate does not support pipeline
+    parallelism), and stock's Trainer stops inside its first step's preparation, on CPU ranks with gloo's "Connection
+    reset by peer".
+
+    Args:
+        model (`nn.Module`): the model given to the Trainer.
+
+    ```python
+    from hf_parallel.launch.guards import check_pipeline
+
+    check_pipeline(model)  # ValueError for a model loaded with DistributedConfig(pp_size=2)
+    ```
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    stages = getattr(config, "pp_size", None) or 1
+    if stages > 1:
+        raise ValueError(
+            f"The model is split into {stages} pipeline stages at load time (DistributedConfig(pp_size={stages})), "
+            "and the Trainer does not support pipeline parallelism. To train it on several GPUs, load it with "
+            "DistributedConfig(tp_size=..., fsdp_size=...) instead (tensor parallelism, FSDP2), or without a "
+            "distributed_config under accelerate launch (DDP)."
+        )
 
 
 def evaluation_dataset_name(description: str, metric_key_prefix: str) -> str:

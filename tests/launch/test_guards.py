@@ -364,3 +364,19 @@ def test_a_rank_without_a_gpu_is_told_before_the_device_set_up(no_launcher, monk
     check_rank_has_a_gpu(type("Args", (), {"use_cpu": True})())
     no_launcher.setenv("LOCAL_RANK", "0")
     check_rank_has_a_gpu(type("Args", (), {"use_cpu": False})())
+
+
+def test_a_model_in_pipeline_stages_is_refused_before_training(tmp_path):
+    """A model `from_pretrained(..., distributed_config=DistributedConfig(pp_size=2))` carries that config: the Trainer
+    refuses it when built, in one line naming pipeline parallelism and what to load instead (stock's Trainer stops
+    inside its first step's preparation, with gloo's "Connection reset by peer" on CPU ranks). The pipeline split
+    itself needs two launched ranks and is not made here: the config the model carries is what the guard reads."""
+    model = tiny_bert_classifier()
+    model.config.distributed_config = transformers.DistributedConfig(pp_size=2)
+    with pytest.raises(
+        ValueError, match=r"pipeline stages .*pp_size=2.* does not support pipeline parallelism"
+    ) as error:
+        Trainer(model=model, args=training_args(tmp_path), train_dataset=classification_rows(4))
+    assert "tp_size=..., fsdp_size=..." in str(error.value) and "\n" not in str(error.value)
+    model.config.distributed_config = transformers.DistributedConfig(pp_size=1)
+    Trainer(model=model, args=training_args(tmp_path), train_dataset=classification_rows(4))  # no stages: no refusal
