@@ -147,6 +147,8 @@ class TrainerMixin:
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
         if sizes["sequence"] > 1 and getattr(self.accelerator.parallelism_config, "sp_backend", None) == "deepspeed":
             sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (its engine's factor)
+        if not self.is_deepspeed_enabled:
+            sizes.pop("tensor")  # a tensor-parallel group's ranks hold one batch: counted once (its engine)
         if any(size > 1 for size in sizes.values()):
             return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
         return None
@@ -179,6 +181,7 @@ class TrainerMixin:
             deepspeed_stage=stage,
             sequence_parallel=sequence,
             deepspeed_version=deepspeed_version() if sequence > 1 else None,
+            tensor_parallel=1 if self.is_deepspeed_enabled else self.get_tp_size(),
             name=None if self.is_deepspeed_enabled else str(accelerator.distributed_type.value),
         )
         return self._engine
@@ -194,7 +197,8 @@ class TrainerMixin:
             return self._get_num_items_in_batch(batch_samples, device)
         if self.compute_loss_func is None and engine.pads_epoch_end:  # a user loss sees whole batches, padding too
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
-            self.exact.mark_padding(head, batch_samples, end, self.accelerator.process_index, pads)
+            data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
+            self.exact.mark_padding(head, batch_samples, end, data_rank, pads)
         model = self.model_wrapped  # what the micro-batches run through (a MoE router's first pass)
         counts = self.exact.count_step(head, batch_samples, device, self._main_input_name(), model)
         if self._steady is None:
@@ -243,9 +247,8 @@ class TrainerMixin:
         if step is None and self.exact.evaluating:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
-            inputs = self.exact.mark_evaluation_padding(
-                head, inputs, accelerator.gradient_state, accelerator.process_index, pads
-            )
+            data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
+            inputs = self.exact.mark_evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
         context = RunContext(
             owner=self.model,
             loss_func=self.compute_loss_func,
@@ -275,6 +278,8 @@ class TrainerMixin:
         # getattr, as stock: a dataloader need not have a `.dataset` (transformers supports one without it).
         check_not_empty(getattr(dataloader, "dataset", None), dataset_name)
         self._check_engine()
+        if self.args.exact_loss and self._engine is None:
+            self._pick_engine()  # how the ranks' rows add up (picked again at the first training step)
         self._count_samples(dataloader, dataset_name)
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only

@@ -232,9 +232,10 @@ class ExactLoss:
         A copy of the last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding,
         for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
         forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
-        are 0 too. `inputs` itself for any other head, and without DDP.
+        are 0 too. Under tensor parallelism (nothing is gathered) for every head. `inputs` itself for any other head,
+        and without DDP.
         """
-        if not head.ignore_index_items or self.num_processes == 1:
+        if self.num_processes == 1 or (not head.ignore_index_items and self.engine.data_replicas == 1):
             return inputs
         inputs = dict(inputs)
         self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)
@@ -261,13 +262,13 @@ class ExactLoss:
             cuda = [counts.device.index or 0] if counts.device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda):  # the training forwards draw what they would have drawn
                 router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
-            router = self.reduce_sum(router.to(counts.device)) if self.num_processes > 1 else router
+            router = self.engine.add_counts(router.to(counts.device))
         if self.num_processes == 1:
             step = StepCounts(counts, 1, len(batches), router)
         else:
             # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
             # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.reduce_sum(counts), self.engine.gradient_factor, len(batches), router)
+            step = StepCounts(self.engine.add_counts(counts), self.engine.gradient_factor, len(batches), router)
         self._counted = (step, batches, device, main_input_name, None if model is None else weakref.ref(model))
         self._recounted = None
         return step
@@ -301,6 +302,12 @@ class ExactLoss:
             if head.route is Route.MODEL_LOSS:
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
                 self._eval_totals.add(head, *self.sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
+            elif self.engine.data_replicas > 1:
+                # The ranks of a tensor-parallel group hold the same rows: gathering them would keep each several
+                # times, and cut an epoch's last batch by rows; each rank adds its own, padding rows masked before
+                # (the caller marks them), added over ranks once at the end (`finish_evaluation`).
+                router = terms.router.detach() if terms.router is not None else None
+                self._eval_totals.add(head, row_sums.detach(), row_counts, router)
             elif terms.router is None:
                 # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
                 self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
@@ -319,7 +326,7 @@ class ExactLoss:
         """
         if step.router is not None:
             return head.router.loss(own, step.router) * step.scale
-        everyone = self.reduce_sum(head.router.shared(own)) if self.num_processes > 1 else None
+        everyone = self.engine.add_counts(head.router.shared(own)) if self.num_processes > 1 else None
         if step.micro_batches > 1:
             self.warn_once(
                 "exact_loss: the router auxiliary loss of a mixture-of-experts model is taken over each micro-batch "
@@ -334,7 +341,7 @@ class ExactLoss:
         """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""
         if self.num_processes == 1:
             return sums.reshape(1, -1), counts.reshape(1, -1)
-        both = self.reduce_sum(torch.cat([sums.double(), counts.to(sums.device).double()]))
+        both = self.engine.add_counts(torch.cat([sums.double(), counts.to(sums.device).double()]))
         terms = sums.numel()
         return both[:terms].reshape(1, -1), both[terms:].round().long().reshape(1, -1)
 
@@ -390,6 +397,8 @@ class ExactLoss:
         """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
         totals, self._eval_totals = self._eval_totals, None
         self.outputs_wanted = True
+        if totals is not None and self.engine.data_replicas > 1:
+            totals.add_over(self.engine.add_counts)  # each rank's own rows (see `reduce`), each batch's once
         return totals.value() if totals is not None else None
 
 

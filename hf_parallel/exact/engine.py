@@ -10,11 +10,15 @@ once, at its first step (`pick_engine`); the step reads it, and no micro-batch a
 | DataParallel replicas | this process (the replicas' rows) | 1 | the loss | replicas |
 | DDP, FSDP, DeepSpeed ZeRO | every rank | N (they average gradients) | the mean over ranks | epoch padding |
 | Ulysses SP | every rank (its shard's targets) | N / SP | the mean over ranks, x SP | sequence shards |
+| tensor parallel x TP | every rank, / TP (a TP group holds one batch) | N / TP | the mean over ranks | epoch padding |
 
 Why the factors: DDP, FSDP and ZeRO average the ranks' gradients, so each rank back-propagates its sum over the
 whole step's count times N, and the average is the one-device gradient; DeepSpeed's Ulysses averages over the
 data-parallel ranks only and adds the sequence-parallel ranks' parts (ZeRO-3 before deepspeed 0.20.2 averages over
-all of them: factor N).
+all of them: factor N). Under tensor parallelism (a model transformers shards at load time, `DistributedConfig(tp_size=
+...)`, alone or with `fsdp_size`, `dp_replicate_size`, `ep_size`) the TP ranks of a group hold the same batch: their
+counts are the group's, once; each computes the group's loss, whose sharded parameters' gradients the TP collectives
+complete inside the backward, and FSDP2 (or HSDP) averages over the N / TP data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Engine:
         pads_epoch_end (`bool`, *optional*): accelerate fills an epoch's last global batch with repeated rows, to be
             told apart (`hf_parallel.exact.remainder`).
         shards_sequence (`bool`, *optional*): each rank holds a shard of other ranks' rows (Ulysses).
+        data_replicas (`int`, *optional*, defaults to 1): the ranks that hold the same batch (a tensor-parallel
+            group): added over every rank, their counts are divided by it, and a rank's share of the data is
+            `process_index // data_replicas`.
         reduce_sum (`Callable`, *optional*): sums a tensor over the `count_ranks` processes.
     """
 
@@ -53,7 +60,17 @@ class Engine:
     replicas: bool = False
     pads_epoch_end: bool = False
     shards_sequence: bool = False
+    data_replicas: int = 1
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def add_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` (or any per-rank totals) added over the `count_ranks` processes, each batch's once."""
+        if self.count_ranks <= 1:
+            return counts
+        added = self.reduce_sum(counts)
+        if self.data_replicas == 1:
+            return added
+        return added / self.data_replicas if added.is_floating_point() else added // self.data_replicas
 
     def valued(self, loss: torch.Tensor) -> torch.Tensor:
         """A rank's loss, valued for the log as one DDP rank's share of the step (its gradient unchanged)."""
@@ -70,6 +87,7 @@ def pick_engine(
     deepspeed_stage: int | None = None,
     sequence_parallel: int = 1,
     deepspeed_version: tuple[int, ...] | None = None,
+    tensor_parallel: int = 1,
     name: str | None = None,
 ) -> Engine:
     """
@@ -82,6 +100,8 @@ def pick_engine(
         deepspeed_stage (`int`, *optional*): the ZeRO stage under DeepSpeed, None without it.
         sequence_parallel (`int`, *optional*, defaults to 1): DeepSpeed's Ulysses sequence-parallel size.
         deepspeed_version (`tuple[int, ...]`, *optional*): DeepSpeed's release (read where SP runs under ZeRO-3).
+        tensor_parallel (`int`, *optional*, defaults to 1): the tensor-parallel size of a model sharded at load time
+            (its ranks hold the same batch).
         name (`str`, *optional*): what the ranks run, for messages (accelerate's distributed type: `MULTI_GPU`,
             `FSDP`, ...); `DDP` when not given.
 
@@ -104,6 +124,14 @@ def pick_engine(
         factor = processes if averages_all else processes // sequence_parallel
         name = f"DeepSpeed ZeRO-{deepspeed_stage} with Ulysses sequence parallelism x{sequence_parallel}"
         return Engine(name, processes, factor, processes, shards_sequence=True, reduce_sum=reduce_sum)
+    if tensor_parallel > 1:
+        if processes % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {processes} processes.")
+        data = processes // tensor_parallel
+        name = f"tensor parallel x{tensor_parallel}" + (f" with {data} data-parallel ranks" if data > 1 else "")
+        return Engine(
+            name, processes, data, data, pads_epoch_end=True, data_replicas=tensor_parallel, reduce_sum=reduce_sum
+        )
     if deepspeed_stage is not None:
         name = f"DeepSpeed ZeRO-{deepspeed_stage}"
     return Engine(name or "DDP", processes, processes, processes, pads_epoch_end=True, reduce_sum=reduce_sum)

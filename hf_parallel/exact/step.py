@@ -75,7 +75,7 @@ class SteadyStep:
             counts = items if counts is None else counts + items
         engine = self.engine
         if engine.count_ranks > 1:
-            counts = engine.reduce_sum(counts)
+            counts = engine.add_counts(counts)
         return StepCounts(counts, engine.gradient_factor, len(batches))
 
     def loss(self, model: nn.Module, inputs: dict, step: StepCounts) -> tuple[torch.Tensor, Any]:

@@ -91,6 +91,14 @@ class EvalTotals:
             router = router.detach().double().sum(0)
             self.router = router if self.router is None else self.router + router.to(self.router.device)
 
+    def add_over(self, add: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each total by `add(total)` (a collective: added over ranks, which all evaluated as many batches)."""
+        if self.sums is None:
+            return
+        self.sums, self.counts = add(self.sums), add(self.counts)
+        if self.router is not None:
+            self.router = add(self.router)
+
     def value(self) -> float | None:
         if self.sums is None:
             return None

@@ -1,6 +1,7 @@
 """
 The CPU shown to accelerate as an accelerator, for tests of engines that run only on device-backed launches
-(DeepSpeed, DeepSpeed's sequence parallelism) on a machine with no GPU.
+(DeepSpeed, DeepSpeed's sequence parallelism, tensor parallelism through a `ParallelismConfig`) on a machine with no
+GPU.
 
 On a CPU-only torch `torch.accelerator.current_accelerator()` is None, so accelerate's `PartialState` picks no
 distributed backend for a launched process that does not say `cpu`, and a process that says `cpu` gets the MULTI_CPU
@@ -36,7 +37,10 @@ def cpu_as_accelerator() -> Iterator[None]:
     Patched for the block and restored after it: `accelerate.state.get_torch_accelerator_backend`, which then returns
     `("cpu", torch.cpu)`, `accelerate.state.get_distributed_backend`, which then returns `"gloo"` for the CPU, and
     `transformers.training_args.is_torch_bf16_gpu_available`, which then says yes, so that `bf16=True` passes the
-    arguments' check (the CPU computes in bf16; DeepSpeed runs its bf16 optimizer there).
+    arguments' check (the CPU computes in bf16; DeepSpeed runs its bf16 optimizer there), and `Accelerator.multi_device`,
+    which then holds for MULTI_CPU ranks too, so that accelerate takes a `ParallelismConfig` there (accelerate refuses
+    it on CPU ranks: "ParallelismConfig is only compatible DistributedType.FSDP (version 2) or
+    DistributedType.Multi{Device} ..."): the tensor parallelism of a model transformers shards at load time.
 
     ```python
     from hf_parallel.testing import cpu_as_accelerator, spawn_cpu_ranks
@@ -50,8 +54,10 @@ def cpu_as_accelerator() -> Iterator[None]:
     spawn_cpu_ranks(rank_body, args=("out",), num_processes=2)  # or spawn_cpu_ranks(..., cpu_as_accelerator=True)
     ```
     """
+    import accelerate
     import accelerate.state as accelerate_state
     import transformers.training_args as training_args
+    from accelerate.utils import DistributedType
 
     present = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if present is not None:
@@ -84,15 +90,22 @@ def cpu_as_accelerator() -> Iterator[None]:
     def distributed_backend(device_type):
         return "gloo" if device_type == "cpu" else originals["get_distributed_backend"](device_type)
 
+    multi_device = accelerate.Accelerator.multi_device
+
+    def cpu_ranks_too(self) -> bool:
+        return multi_device.fget(self) or (self.use_distributed and self.distributed_type == DistributedType.MULTI_CPU)
+
     accelerate_state.get_torch_accelerator_backend = cpu_backend
     accelerate_state.get_distributed_backend = distributed_backend
     training_args.is_torch_bf16_gpu_available = lambda *args, **kwargs: True  # the CPU computes in bf16
+    accelerate.Accelerator.multi_device = property(cpu_ranks_too)
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(accelerate_state, name, original)
         training_args.is_torch_bf16_gpu_available = bf16_available
+        accelerate.Accelerator.multi_device = multi_device
         if use_cpu is not None:
             os.environ["ACCELERATE_USE_CPU"] = use_cpu
 
