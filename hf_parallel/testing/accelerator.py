@@ -38,9 +38,9 @@ def cpu_as_accelerator() -> Iterator[None]:
     `("cpu", torch.cpu)`, `accelerate.state.get_distributed_backend`, which then returns `"gloo"` for the CPU, and
     `transformers.training_args.is_torch_bf16_gpu_available`, which then says yes, so that `bf16=True` passes the
     arguments' check (the CPU computes in bf16; DeepSpeed runs its bf16 optimizer there), and
-    `Accelerator.multi_device`, which then holds for MULTI_CPU ranks too, so that accelerate takes a `ParallelismConfig`
-    there (it refuses one on CPU ranks: "ParallelismConfig is only compatible DistributedType.FSDP (version 2) or
-    DistributedType.Multi{Device} ..."): the tensor parallelism of a model transformers shards at load time.
+    `Accelerator.multi_device`, which then holds for MULTI_CPU ranks too, so that accelerate takes a
+    `ParallelismConfig` there (it refuses one on CPU ranks: "ParallelismConfig is only compatible DistributedType.FSDP
+    (version 2) or DistributedType.Multi{Device} ..."): the tensor parallelism of a model sharded at load time.
 
     ```python
     from hf_parallel.testing import cpu_as_accelerator, spawn_cpu_ranks
