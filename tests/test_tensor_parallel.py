@@ -54,11 +54,16 @@ RUNS = {
     "MoE GA 2": ("moe", 2, 2, 8, False, TP2),
     "stock MoE GA 2": ("moe", 2, 2, 8, True, TP2),
     "tp x ep: MoE GA 2": ("moe", 2, 2, 8, False, {"tp_size": 2, "ep_size": 2}),
+    # The layouts without tensor parallelism, each rank its own batch (exact before it: kept so).
+    "fsdp: token classifier GA 2": ("tokens", 2, 2, 16, False, {"fsdp_size": 2}),
+    "stock fsdp: token classifier GA 2": ("tokens", 2, 2, 16, True, {"fsdp_size": 2}),
+    "ep x fsdp: MoE GA 2": ("moe", 2, 2, 16, False, {"ep_size": 2, "fsdp_size": 2}),
+    "hsdp: token classifier GA 2": ("tokens", 2, 2, 32, False, {"dp_replicate_size": 2, "fsdp_size": 2}),
 }
 
 
 def _ranks(layout: dict) -> int:
-    return layout["tp_size"] * layout.get("fsdp_size", 1) * layout.get("dp_replicate_size", 1)
+    return layout.get("tp_size", 1) * layout.get("fsdp_size", 1) * layout.get("dp_replicate_size", 1)
 
 
 def build(kind: str):
@@ -160,7 +165,7 @@ def results(tmp_path_factory) -> dict:
 
 def reference(name: str) -> dict:
     kind, per_device, accumulation, train_rows, _, layout = RUNS[name]
-    groups = _ranks(layout) // layout["tp_size"]  # the TP ranks of a group hold one batch
+    groups = _ranks(layout) // layout.get("tp_size", 1)  # the TP ranks of a group hold one batch
     steps = steps_of(rows(kind, train_rows, 1), per_device * accumulation * groups)
     return sgd_reference(build(kind), steps, LR, rows(kind, EVAL_ROWS, 2))
 
@@ -172,9 +177,13 @@ def _update_error(result: dict, ref: dict) -> float:
 @pytest.mark.parametrize("name", [name for name, run in RUNS.items() if not run[4]])
 def test_tensor_parallel_equals_one_process(results, name):
     result, ref, layout = results[name], reference(name), RUNS[name][-1]
-    assert result["world_size"] == _ranks(layout) and result["tp_size"] == 2, result
-    groups = _ranks(layout) // 2
-    assert result["engine"] == "tensor parallel x2" + (f" with {groups} data-parallel ranks" if groups > 1 else "")
+    tp = layout.get("tp_size", 1)
+    assert result["world_size"] == _ranks(layout) and result["tp_size"] == tp, result
+    groups = _ranks(layout) // tp
+    if tp > 1:
+        assert result["engine"] == f"tensor parallel x{tp}" + (
+            f" with {groups} data-parallel ranks" if groups > 1 else ""
+        )
     assert result["rank_spread"] == 0.0, f"{name}: the ranks hold different parameters"
     assert len(result["losses"]) == len(ref["losses"]), name
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
@@ -193,3 +202,5 @@ def test_stock_under_tensor_parallelism_is_off(results):
     assert _update_error(hybrid, ref) > 0.5
     moe, ref = results["stock MoE GA 2"], reference("MoE GA 2")
     assert abs(moe["losses"][0] / ref["losses"][0] - 1) > 0.01  # the router term of each micro-batch
+    sharded, ref = results["stock fsdp: token classifier GA 2"], reference("fsdp: token classifier GA 2")
+    assert _update_error(sharded, ref) > 0.5
