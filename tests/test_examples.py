@@ -171,7 +171,7 @@ def test_shipped_reads_are_what_the_script_makes():
     assert len(embed_example.read_sequences(READS)) == 200
 
 
-@pytest.mark.slow
+@pytest.mark.full  # two processes launched for real (~6 s): .ci/run runs it in its own step
 def test_example_real_launch_two_processes_equals_one(tmp_path, no_gpus):
     """`accelerate launch --multi_gpu --num_processes 2 examples/embed.py` on CPU == the same script in-process."""
     # On the CPU in both: with GPUs, the launch would start NCCL processes (two on one GPU fail) and the

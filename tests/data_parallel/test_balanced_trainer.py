@@ -200,6 +200,6 @@ def _ddp_worker(output_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two spawned processes, each importing transformers: ~40 s on the 2-core CI machine
+@pytest.mark.full  # two spawned processes (~5 s): .ci/run runs it in its own step
 def test_ignored_under_ddp(tmp_path):
     spawn_cpu_ranks(_ddp_worker, (str(tmp_path),), 2)

@@ -410,6 +410,7 @@ def _failing_rank_worker(out_dir: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.full  # two processes, one failing, the other stopped by its deadline (~4 s): .ci/run's own step
 def test_failing_rank_reaches_every_rank_within_seconds(tmp_path):
     start = time.monotonic()
     # Well under the default 300 s: a rank left waiting in a collective would run into this, not pass late.

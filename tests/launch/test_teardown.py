@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ def _train_then_release(output_dir: str) -> None:
     assert trainer.model_wrapped is trainer.model
 
 
+@pytest.mark.full  # two processes launched to their exit (~5 s): .ci/run runs it in its own step
 def test_a_distributed_trainer_is_released_before_exit(tmp_path):
     spawn_cpu_ranks(_train_then_release, (str(tmp_path),), num_processes=2)
 
