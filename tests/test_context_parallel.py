@@ -9,7 +9,6 @@ without a GPU at hand: it runs where two GPUs are (`python -m benchmarks.gpu_che
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 
@@ -21,7 +20,7 @@ import transformers
 from tests.helpers.harness import SGD_STEP, Capture, record_hf_parallel_log
 from tests.helpers.heads import llama, lm_rows
 from tests.helpers.paths import ROOT, repo_env
-from tests.helpers.processes import run_together
+from tests.helpers.processes import free_port, run_together
 from tests.helpers.tiny import ListDataset
 
 LAUNCH_DEADLINE_S = 420
@@ -77,17 +76,11 @@ def main(out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.multi_gpu
 def test_context_parallelism_is_a_warned_fallback_at_stocks_numbers(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    command += [str(_free_port()), "-m", "tests.test_context_parallel", str(tmp_path)]
+    command += [str(free_port()), "-m", "tests.test_context_parallel", str(tmp_path)]
     env = repo_env()
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(name, None)

@@ -16,7 +16,6 @@ Trainer on a model transformers shards at load time, on 2 CPU ranks.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from tests.helpers.harness import (
 )
 from tests.helpers.heads import CASES
 from tests.helpers.paths import NO_GPUS, ROOT, repo_env
-from tests.helpers.processes import run_together
+from tests.helpers.processes import free_port, run_together
 
 TOL = 1e-5
 EVAL_ROWS = 7  # not a multiple of 2 ranks x 2 rows: the distributed evaluation pads with a duplicate
@@ -137,18 +136,12 @@ def main(setup: str, out_dir: str) -> None:
 # ---- The launches ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(setup: str, out_dir: Path, **env: str) -> dict:
     """Launch `main(setup, out_dir)` (torchrun for several processes) and return rank 0's results."""
     processes = SETUPS[setup][0]
     module = ["-m", "tests.test_fsdp_deepspeed", setup, str(out_dir)]
     if processes > 1:
-        port = str(_free_port())
+        port = str(free_port())
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
         command += ["--master_port", port, *module]
     else:

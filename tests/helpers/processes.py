@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -12,6 +13,13 @@ from pathlib import Path
 
 # Below pytest's own timeout (600 s, pyproject.toml), so that a stuck launch fails with its output, not silently.
 DEADLINE_S = 300
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a launcher's rendezvous port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

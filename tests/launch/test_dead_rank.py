@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 
 import pytest
@@ -23,21 +22,15 @@ from hf_parallel.saving.resume import checkpoint_problems
 from hf_parallel.saving.staging import RUN_FILE, STAGING_DIR
 from tests.distributed.crash_worker import run
 from tests.helpers.paths import NO_GPUS, ROOT, repo_env
-from tests.helpers.processes import run_together, run_until_failure
+from tests.helpers.processes import free_port, run_together, run_until_failure
 
 DEAD_RANK_LIMIT_S = 60
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(out, *flags: str) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    launcher += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    launcher += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     return [*launcher, "-m", "tests.distributed.crash_worker", str(out), "--per-device", "4", *flags]
 
 
@@ -71,7 +64,7 @@ def test_a_dead_rank_ends_the_job_and_a_relaunch_resumes_exactly(tmp_path):
 @pytest.mark.full  # 15 s: CI runs it in its own step (.ci/run), beside the default suite
 def test_two_machines_on_one_host_write_one_complete_checkpoint_that_resumes_exactly(tmp_path):
     out = tmp_path / "run"
-    port = str(_free_port())
+    port = str(free_port())
     commands = [
         [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from transformers import BertForSequenceClassification
 
 from hf_parallel.commands.main import main as cli_main
 from tests.helpers.paths import NO_GPUS, ROOT, repo_env
-from tests.helpers.processes import Finished, run_together
+from tests.helpers.processes import Finished, free_port, run_together
 
 TRAIN = ROOT / "examples" / "train.py"
 CPU_CONFIG = ROOT / "hf_parallel" / "configs" / "cpu_ddp.yaml"
@@ -205,17 +204,11 @@ def test_shipped_deepspeed_zero3_config_trains_equal_to_one_process(model_dir, s
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.full  # two launches of two processes (~15 s): .ci/run runs it in its own step
 def test_two_machines_on_loopback_form_one_group(model_dir, single_process_run, tmp_path, capsys):
     # The config comes from `hf-parallel config`, as a user on a cluster would write it; machine 1 overrides the rank.
     config = tmp_path / "two_machines.yaml"
-    port = _free_port()
+    port = free_port()
     argv = ["config", "--num-machines", "2", "--num-processes", "1", "--main-process-ip", "127.0.0.1"]
     assert cli_main([*argv, "--main-process-port", str(port), "--cpu", "-o", str(config)]) == 0
     printed = capsys.readouterr().out
@@ -249,7 +242,7 @@ def test_two_machines_on_loopback_form_one_group(model_dir, single_process_run, 
 @pytest.mark.full  # torchrun twice, stock's and ours (~11 s): .ci/run runs it in its own step
 def test_mislaunch_without_use_cpu_stops_where_stock_trains_unsynchronised_copies(tmp_path):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(ROOT / "tests" / "distributed" / "mislaunch_worker.py"), str(tmp_path),
     ]  # fmt: skip
     (result,), wall = _run([command], ROOT)
