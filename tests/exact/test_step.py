@@ -158,6 +158,7 @@ def test_stock_steady_steps_under_accumulation_differ():
     assert abs(stock.losses[-1] / one.losses[-1] - 1) > 0.05
 
 
+@pytest.mark.full  # a spawn of 2 ranks (~8 s): .ci/run runs it in its own step; test_fsdp2's Trainer takes it too
 def test_steady_steps_under_ddp_equal_one_process(tmp_path):
     """On 2 ranks over three steps; the epoch of 20 rows ends with a padded step (4 real rows of 8), which takes the
     whole way and marks the padding."""
