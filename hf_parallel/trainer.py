@@ -222,11 +222,8 @@ class TrainerMixin:
             return stock_training_step(self, super().training_step, model, inputs, count)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
-        scaled, self.loss_is_scaled_for_ga = self.loss_is_scaled_for_ga, True
-        try:
+        with temporarily(self, "loss_is_scaled_for_ga", True):
             return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            self.loss_is_scaled_for_ga = scaled
 
     def compute_loss(
         self,
@@ -236,8 +233,7 @@ class TrainerMixin:
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         if self._steady is not None and isinstance(num_items_in_batch, StepCounts) and REAL_ROWS_KEY not in inputs:
-            loss, outputs = self._steady.loss(model, inputs, num_items_in_batch)
-            return (loss, outputs if isinstance(outputs, dict) else (loss, *outputs)) if return_outputs else loss
+            return _returned(*self._steady.loss(model, inputs, num_items_in_batch), return_outputs)
         head = self._exact_head(inputs)
         if head is None or not head.has_labels(inputs):
             count = StepCounts.as_stock(num_items_in_batch)
@@ -258,13 +254,7 @@ class TrainerMixin:
         loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
         if step is not None:
             loss = self.exact.engine.valued(loss)
-        if not return_outputs:
-            return loss
-        if outputs is None:
-            outputs = {}  # prediction_loss_only under DataParallel: no outputs were gathered
-        elif not isinstance(outputs, dict):
-            outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
-        return loss, outputs
+        return _returned(loss, outputs, return_outputs)
 
     def evaluation_loop(
         self,
@@ -445,6 +435,17 @@ class Seq2SeqTrainer(TrainerMixin, transformers.Seq2SeqTrainer):
                 with torch.no_grad(), self.compute_loss_context_manager():
                     self.compute_loss(model, inputs)
         return output
+
+
+def _returned(loss: torch.Tensor, outputs: Any, return_outputs: bool):
+    """What `compute_loss` returns: the loss, or the loss and the outputs as stock gives them."""
+    if not return_outputs:
+        return loss
+    if outputs is None:
+        outputs = {}  # prediction_loss_only under DataParallel: no outputs were gathered
+    elif not isinstance(outputs, dict):
+        outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
+    return loss, outputs
 
 
 # The classes whose compute_loss is the exact loss or the stock one it falls back to.

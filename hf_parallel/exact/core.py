@@ -263,12 +263,9 @@ class ExactLoss:
             with torch.random.fork_rng(devices=cuda):  # the training forwards draw what they would have drawn
                 router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
             router = self.engine.add_counts(router.to(counts.device))
-        if self.num_processes == 1:
-            step = StepCounts(counts, 1, len(batches), router)
-        else:
-            # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each
-            # rank scales its S / C by the world size (the sum over ranks of S_r / C is the exact loss).
-            step = StepCounts(self.engine.add_counts(counts), self.engine.gradient_factor, len(batches), router)
+        # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
+        # scales its S / C by the engine's factor (the world size: the sum over ranks of S_r / C is the exact loss).
+        step = StepCounts(self.engine.add_counts(counts), self.engine.gradient_factor, len(batches), router)
         self._counted = (step, batches, device, main_input_name, None if model is None else weakref.ref(model))
         self._recounted = None
         return step

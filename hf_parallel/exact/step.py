@@ -24,7 +24,8 @@ from torch import nn
 
 from .engine import Engine
 from .heads import LossHead, Route
-from .heads.decoder import decoder_input_ids
+from .heads.base import sequence_length
+from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import EpochEnd, epoch_end
 from .terms import StepCounts
 
@@ -63,15 +64,13 @@ class SteadyStep:
         self.engine, self.head, self.main_input_name, self.unwrap = engine, head, main_input_name, unwrap
         self.model_loss = head.route is Route.MODEL_LOSS
         self.labels_in_forward = head.route is not Route.RECOMPUTED
-        self.builds_decoder_inputs = head.builds_decoder_inputs and head.route is Route.RECOMPUTED
+        self.builds_decoder_inputs = head.builds_decoder_inputs and head.route is Route.RECOMPUTED  # labels out
 
     def count(self, batches: list[dict], device: torch.device | None = None) -> StepCounts:
         """C: the items of the step's `batches` per loss term, added over the engine's ranks."""
         counts = None
         for batch in batches:
-            main = batch.get(self.main_input_name, batch.get("attention_mask"))
-            seq_len = main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
-            items = self.head.count(batch, seq_len).to(device)
+            items = self.head.count(batch, sequence_length(batch, self.main_input_name)).to(device)
             counts = items if counts is None else counts + items
         engine = self.engine
         if engine.count_ranks > 1:
@@ -83,7 +82,7 @@ class SteadyStep:
         head = self.head
         inputs = dict(inputs)  # the caller's dict keeps its labels
         labels = head.pop_labels(inputs)
-        if self.builds_decoder_inputs and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+        if self.builds_decoder_inputs and needs_decoder_inputs(head, inputs):
             inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
         if self.model_loss:
             # The model divides its own loss sum by the step's count: S / C itself.

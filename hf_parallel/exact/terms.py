@@ -19,7 +19,7 @@ from torch import nn
 
 from .compare import ReplicaCheck
 from .heads import LossHead, Route
-from .heads.base import LOSS_CALL_KEY, LossCallWatch
+from .heads.base import LOSS_CALL_KEY, LossCallWatch, sequence_length
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import REAL_ROWS_KEY, TARGET_KEYS, mask_padding, row_mask, sample_ids_of
 
@@ -106,12 +106,6 @@ class EvalTotals:
         if self.router is not None and self.head.router is not None:
             value = value + self.head.router.loss(self.router)  # the router term of the whole set, as one forward
         return value.item()
-
-
-def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | None:
-    """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
-    main = batch.get(main_input_name, batch.get("attention_mask"))
-    return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
 
 
 class Terms(NamedTuple):

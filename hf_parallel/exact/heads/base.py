@@ -35,6 +35,7 @@ __all__ = [
     "UnsupportedHead",
     "class_names",
     "routed",
+    "sequence_length",
 ]
 
 IGNORE_INDEX = -100
@@ -140,6 +141,12 @@ class LossCallWatch:
             self.model._loss_function = self._own
         else:
             vars(self.model).pop("_loss_function", None)
+
+
+def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | None:
+    """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
+    main = batch.get(main_input_name, batch.get("attention_mask"))
+    return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
 
 
 class LossCall(NamedTuple):
