@@ -7,6 +7,7 @@ loss (`exact.step.SteadyStep.loss`, or `exact.micro_batch_loss` the whole way): 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
 from .engines.deepspeed import before_engine, deepspeed_version, sequence_shards
+from .engines.reshard import load_on_any_world_size
 from .exact import (
     REAL_ROWS_KEY,
     Engine,
@@ -50,7 +52,7 @@ from .launch.guards import (
 from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
 from .saving.checkpoints import load_state_dict, plain_weights_checkpoint
-from .saving.resume import resolve_resume, seed_rank_without_state
+from .saving.resume import check_checkpoint_engine, resolve_resume, seed_rank_without_state
 from .saving.staging import staged_checkpoint
 from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
@@ -328,6 +330,7 @@ class TrainerMixin:
         # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
         # global batch than the checkpoint's warned: before anything is loaded.
         resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, self.accelerator.num_processes)
+        check_checkpoint_engine(resume_from_checkpoint, self.is_deepspeed_enabled)
         if self.args.parallel_mode == ParallelMode.DISTRIBUTED and unmark_evaluation_prepare(
             self.model, self.model_wrapped, self.accelerator
         ):
@@ -339,7 +342,11 @@ class TrainerMixin:
             split = batch_statistics_split(self.model, self.args)
             if split is not None:
                 self.exact.warn_once(f"exact_loss: {split}")
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        # A DeepSpeed checkpoint of another data-parallel world size: merged and partitioned again, where DeepSpeed's
+        # own loader (which stock calls) refuses it.
+        loader = functools.partial(load_on_any_world_size, load=transformers.trainer.deepspeed_load_checkpoint)
+        with temporarily(transformers.trainer, "deepspeed_load_checkpoint", loader):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _check_engine(self) -> None:
         """Before DeepSpeed's engine starts: refuse a model it would crash on; under ZeRO-3, saves that gather."""

@@ -173,6 +173,12 @@ IMPORTED_NAMES = (
         "a checkpoint of a PEFT model is loaded by its own loader, not as plain weights (plain_weights_checkpoint); "
         "the Trainer module's own test, so a PEFT model counts as stock counts it",
     ),
+    (
+        "transformers.trainer",
+        "deepspeed_load_checkpoint",
+        "the DeepSpeed resume the training loop calls by this module-level name: Trainer.train() swaps it for "
+        "engines.reshard.load_on_any_world_size, which calls it on the checkpoint's own world size",
+    ),
 )
 
 

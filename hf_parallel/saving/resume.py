@@ -26,10 +26,18 @@ from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from ..engines.reshard import deepspeed_checkpoint_folder
 from .checkpoints import checkpoint_weight_files
 from .staging import RUN_FILE, STAGING_DIR, TRAINER_STATE, run_record
 
-__all__ = ["checkpoint_problems", "complete_checkpoints", "rank_seed", "resolve_resume", "seed_rank_without_state"]
+__all__ = [
+    "check_checkpoint_engine",
+    "checkpoint_problems",
+    "complete_checkpoints",
+    "rank_seed",
+    "resolve_resume",
+    "seed_rank_without_state",
+]
 
 logger = logging.get_logger(__name__)
 
@@ -140,6 +148,31 @@ def resolve_resume(args, resume_from_checkpoint, num_processes: int):
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and args.process_index == 0:
         _warn_if_another_global_batch(os.fspath(resume_from_checkpoint), run_record(args, num_processes))
     return resume_from_checkpoint
+
+
+def check_checkpoint_engine(checkpoint: str | None, deepspeed: bool) -> None:
+    """
+    Refuse, before anything is loaded, a checkpoint whose optimizer state the run's engine cannot read: DeepSpeed's
+    partitions in a run without DeepSpeed (stock resumes the weights and silently starts the optimizer afresh), or a
+    checkpoint without them under DeepSpeed (stock fails once the engine has started).
+    """
+    if checkpoint is None or not os.path.isdir(checkpoint):
+        return
+    folder = deepspeed_checkpoint_folder(checkpoint)
+    plain_state = os.path.isfile(os.path.join(checkpoint, "optimizer.pt"))
+    if folder is not None and not deepspeed and not plain_state:
+        raise ValueError(
+            f"{checkpoint} was written under DeepSpeed ZeRO: its optimizer state lies in DeepSpeed's partitions "
+            f"({folder}), which a run without DeepSpeed cannot read, so it would resume without them. Resume it with "
+            "a DeepSpeed config (on any number of processes), or start a new run from its weights."
+        )
+    if folder is None and deepspeed and (plain_state or checkpoint_weight_files(checkpoint)):
+        # Stock's sentence first (code written against stock matches its text), then what hf_parallel knows.
+        raise ValueError(
+            f"Can't find a valid checkpoint at {checkpoint}: it was written without DeepSpeed (no global_step*/ "
+            "folder named by a 'latest' file), and DeepSpeed resumes only its own partitioned state. Resume it "
+            "without DeepSpeed, or start a new DeepSpeed run from its weights (from_pretrained)."
+        )
 
 
 def _warn_if_another_global_batch(checkpoint: str, now: dict) -> None:
