@@ -7,13 +7,17 @@ loss (`exact.step.SteadyStep.loss`, or `exact.micro_batch_loss` the whole way): 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import warnings
 from typing import Any
 
 import torch
 import transformers
 from accelerate.utils import DistributedType
 from torch import nn
+from transformers.trainer import SCHEDULER_NAME
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
@@ -53,7 +57,8 @@ from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
 from .saving.checkpoints import load_state_dict, plain_weights_checkpoint
 from .saving.resume import check_checkpoint_engine, resolve_resume, seed_rank_without_state
-from .saving.staging import staged_checkpoint
+from .saving.sharded import is_sharded_at_load, load_optimizer_any_layout, save_sharded_optimizer
+from .saving.staging import data_parallel_processes, staged_checkpoint
 from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .upstream import temporarily
@@ -96,7 +101,11 @@ class TrainerMixin:
             # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
             # args.world_size sets up the devices and the process group, which is what the guards inspect.
             check_launch(args)
-        super().__init__(model, args, *positional, **kwargs)
+        # A model sharded at load time: stock refuses to checkpoint its optimizer state; hf_parallel writes it
+        # (saving.sharded), so stock's check is told the run saves the model only while it is made.
+        keeps_state = args is not None and is_sharded_at_load(model) and not args.save_only_model
+        with temporarily(args, "save_only_model", True) if keeps_state else contextlib.nullcontext():
+            super().__init__(model, args, *positional, **kwargs)
         if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
             self.args = args = with_hf_parallel_fields(self.args, None, like=given)
             check_launch(args)
@@ -329,7 +338,7 @@ class TrainerMixin:
         self._engine = self._steady = None  # picked again at the first step: the model may be another (model_init)
         # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
         # global batch than the checkpoint's warned: before anything is loaded.
-        resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, self.accelerator.num_processes)
+        resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, data_parallel_processes(self))
         check_checkpoint_engine(resume_from_checkpoint, self.is_deepspeed_enabled)
         if self.args.parallel_mode == ParallelMode.DISTRIBUTED and unmark_evaluation_prepare(
             self.model, self.model_wrapped, self.accelerator
@@ -358,6 +367,28 @@ class TrainerMixin:
         # Stock's save, into a staging folder renamed to checkpoint-N once every process has written it: a kill
         # mid-save leaves the last complete checkpoint in place, and rotation runs only after the new one is complete.
         staged_checkpoint(self, model, trial, super()._save_checkpoint)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not is_sharded_at_load(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Sharded at load time: each rank writes its shards of the optimizer state (any layout reads them back).
+        save_sharded_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)
+        if self.args.should_save:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "please also save the optimizer state"
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # A sharded model's optimizer state into any layout, a plain run's into a sharded model; else stock's.
+        if checkpoint is None or self.is_deepspeed_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        groups = load_optimizer_any_layout(self.model, self.optimizer, checkpoint)
+        if groups is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            saved = torch.load(scheduler, weights_only=True)
+            self.lr_scheduler.load_state_dict(groups.scheduler_state(saved, self.lr_scheduler.state_dict()))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         # A rank the checkpoint has no random state for (another number of processes wrote it) gets a defined one.

@@ -63,6 +63,8 @@ HOOKS = (
     Hook("_load_best_model", ("self",), "best model across wrappers"),
     Hook("_save_checkpoint", ("self", "model", "trial"), "crash-safe checkpoints: staged, then renamed whole"),
     Hook("_load_rng_state", ("self", "checkpoint"), "a defined random state for a rank the checkpoint has none for"),
+    Hook("_save_optimizer_and_scheduler", ("self", "output_dir"), "the optimizer state of a model sharded at load"),
+    Hook("_load_optimizer_and_scheduler", ("self", "checkpoint"), "a sharded model's optimizer state on any layout"),
     Hook(
         "prediction_step",
         ("self", "model", "inputs", "prediction_loss_only", "ignore_keys", "gen_kwargs"),

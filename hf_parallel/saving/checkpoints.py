@@ -21,6 +21,7 @@ from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, logging
 
 from ..engines.zero3 import gathered_parameters, is_partitioned, wait_for_every_rank
+from .sharded import distribute_whole
 from .unwrap import MAX_KEYS_SHOWN, match_keys, unwrap_model
 
 logger = logging.get_logger(__name__)
@@ -227,8 +228,9 @@ def _tolerated_missing(model: nn.Module, loaded: set[str]) -> set[str]:
     tolerated: set[str] = set()
     groups: dict[tuple, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
-        if tensor.device.type != "meta" and tensor.numel() > 0:
-            groups.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(key)
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its own shard's storage
+        if local.device.type != "meta" and local.numel() > 0:
+            groups.setdefault((local.device, local.untyped_storage().data_ptr()), []).append(key)
     for keys in groups.values():
         # save_pretrained writes one of a group of tied weights (e.g. lm_head.weight = embeddings); loading that one
         # fills the others too.
@@ -246,6 +248,8 @@ def _load_matched(
     resize a buffer to the stored one in its `_load_from_state_dict` (torch.ao's per-channel fake-quantize observers
     start with a placeholder shape), so only a shape the model refuses is an error, re-raised naming `where`.
     """
+    # A model sharded at load time holds DTensors: each takes its own part of the whole tensor read from disk.
+    state_dict = {k: distribute_whole(v, model_state[k]) if k in model_state else v for k, v in state_dict.items()}
     try:
         # Keys were checked by the caller, with tied weights tolerated; torch's strict check would not tolerate them.
         target.load_state_dict(state_dict, strict=False)

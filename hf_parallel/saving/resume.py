@@ -186,7 +186,7 @@ def _warn_if_another_global_batch(checkpoint: str, now: dict) -> None:
 
     def topology(record: dict) -> str:
         return (
-            f"{record['global_batch']} rows ({record['num_processes']} process(es) x "
+            f"{record['global_batch']} rows ({record['num_processes']} data-parallel process(es) x "
             f"{record['per_device_train_batch_size']} rows x {max(1, record.get('n_gpu', 1))} GPUs x gradient "
             f"accumulation {record['gradient_accumulation_steps']})"
         )

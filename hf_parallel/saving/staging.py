@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from ..upstream import temporarily
 
-__all__ = ["RUN_FILE", "STAGING_DIR", "TRAINER_STATE", "run_record", "staged_checkpoint"]
+__all__ = ["RUN_FILE", "STAGING_DIR", "TRAINER_STATE", "data_parallel_processes", "run_record", "staged_checkpoint"]
 
 logger = logging.get_logger(__name__)
 
@@ -40,8 +40,18 @@ TRAINER_STATE = "trainer_state.json"
 RUN_FILE = "hf_parallel_run.json"
 
 
+def data_parallel_processes(trainer) -> int:
+    """The processes that read batches of their own: the ranks of a tensor-, context- or sequence-parallel group
+    share one."""
+    shared = 1
+    for size in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        shared *= getattr(trainer, size, lambda: 1)() or 1
+    return max(1, trainer.accelerator.num_processes // shared)
+
+
 def run_record(args, num_processes: int) -> dict:
-    """The topology of a run, as `RUN_FILE` stores it: its global batch is processes x rows x accumulation."""
+    """The topology of a run, as `RUN_FILE` stores it: its global batch is data-parallel processes x rows x
+    accumulation."""
     rows = args.per_device_train_batch_size * max(1, args.n_gpu)  # nn.DataParallel splits one process's batch
     return {
         "num_processes": num_processes,
@@ -109,7 +119,7 @@ def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], No
     accelerator.wait_for_everyone()  # every process's files are written
     if args.should_save:
         _point_best_checkpoint(trainer, run_dir, staged)
-        _write_json(os.path.join(staged, RUN_FILE), run_record(args, accelerator.num_processes))
+        _write_json(os.path.join(staged, RUN_FILE), run_record(args, data_parallel_processes(trainer)))
         _commit(staged, final)
         with contextlib.suppress(OSError):
             os.rmdir(staging)  # empty once committed (another node's saving process may be using it still)
