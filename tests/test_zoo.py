@@ -53,7 +53,7 @@ SAMPLE = {
 # Beyond text, one or more classes per family (ours, stock): exact where stock averages its own loss (x2), a summed CTC
 # loss that stock gets right too, a vision-language LM whose loss honours the count, a segmentation model with an
 # auxiliary head (its logits recorded from the head), DETR (each image matched to its own boxes), models with batch
-# normalisation, and the fallbacks with a reason (x-vectors, masked image modeling, RF-DETR's loss).
+# normalisation, RF-DETR (its query groups), and the fallbacks with a reason (x-vectors, masked image modeling).
 MEDIA_SAMPLE = {
     "ViTForImageClassification": ("exact", "exact"),
     "VideoMAEForVideoClassification": ("exact", "exact"),
@@ -68,7 +68,7 @@ MEDIA_SAMPLE = {
     "DPTForSemanticSegmentation": ("exact", "silent"),  # with its auxiliary head's loss
     "ViTForMaskedImageModeling": ("fallback", "silent"),
     "DetrForObjectDetection": ("exact", "silent"),  # its timm backbone built as a transformers ResNet
-    "RfDetrForObjectDetection": ("fallback", "silent"),
+    "RfDetrForObjectDetection": ("exact", "silent"),  # its query groups, each image matched in each group
     # Batch normalisation: judged against the model's own losses on each micro-batch (`Outcome.reference`).
     "ResNetForImageClassification": ("exact", "silent"),
     "UperNetForSemanticSegmentation": ("exact", "silent"),

@@ -1,9 +1,10 @@
 """
 Tiny DETR-style detectors and their rows (`CASES`): DETR (a softmax class term weighted by `eos_coefficient`, with
-its auxiliary decoder layers), Deformable DETR (a sigmoid focal class term, auxiliary layers) and YOLOS (a ViT, no
-convolution). Their ResNet backbones are transformers' own (frozen batch norm, as the DETR models load them): a step
-does not depend on its split through batch statistics. Images carry 0 to 4 boxes each, so that a mean of per-device
-means is visibly wrong.
+its auxiliary decoder layers), Deformable DETR (a sigmoid focal class term, auxiliary layers), YOLOS (a ViT, no
+convolution) and RF-DETR (3 query groups, an IoU-aware class term, auxiliary layers and the encoder's proposals; a
+DINOv2 backbone, layer norms only). The ResNet backbones are transformers' own (frozen batch norm, as the DETR models
+load them): a step does not depend on its split through batch statistics. Images carry 0 to 4 boxes each, so that a
+mean of per-device means is visibly wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from transformers import (
     DetrConfig,
     DetrForObjectDetection,
     ResNetConfig,
+    RfDetrConfig,
+    RfDetrDinov2Config,
+    RfDetrForObjectDetection,
     YolosConfig,
     YolosForObjectDetection,
 )
@@ -91,6 +95,35 @@ def _yolos(seed: int) -> torch.nn.Module:
     return YolosForObjectDetection(config)
 
 
+def _rf_detr(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    backbone = RfDetrDinov2Config(
+        hidden_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        mlp_ratio=1,
+        image_size=IMAGE,
+        patch_size=16,
+        num_windows=1,
+        out_features=["stage2", "stage4"],
+    )
+    config = RfDetrConfig(
+        backbone_config=backbone,
+        d_model=16,
+        decoder_ffn_dim=16,
+        decoder_layers=3,  # two auxiliary layers
+        decoder_self_attention_heads=2,
+        decoder_cross_attention_heads=2,
+        decoder_n_points=2,
+        c2f_num_blocks=1,
+        num_queries=QUERIES,
+        group_detr=3,  # in training 3 x 5 queries, each group matched on its own
+        num_labels=NUM_LABELS,
+        dropout=0.0,
+    )
+    return RfDetrForObjectDetection(config)
+
+
 def detection_rows(n: int, seed: int) -> list[dict]:
     """Images with 0 to 4 boxes each (center, size: relative), classes drawn."""
     g = torch.Generator().manual_seed(seed)
@@ -123,5 +156,6 @@ CASES = {
         Case("detr_detection", _detr, detection_rows, collator=collate),
         Case("deformable_detr_detection", _deformable, detection_rows, collator=collate),
         Case("yolos_detection", _yolos, detection_rows, collator=collate),
+        Case("rf_detr_detection", _rf_detr, detection_rows, collator=collate),
     )
 }

@@ -48,7 +48,7 @@ from torch import nn
 
 from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossCall, LossHead, Route, UnsupportedHead, class_names
 
-__all__ = ["OBJECT_DETECTION", "BoxTargets", "DetectionHead"]
+__all__ = ["OBJECT_DETECTION", "BoxTargets", "DetectionHead", "GroupedDetectionHead"]
 
 
 class BoxTargets(NamedTuple):
@@ -119,6 +119,8 @@ class DetectionHead(LossHead):
     """
 
     route = Route.LABELS_IN_FORWARD
+    #: What the matcher takes besides the predictions and targets (LW-DETR's: its query groups).
+    match_options: dict = {}
     # The earlier layers' predictions exist only inside the forward; the model's own matching is spared outside the
     # check, and in it runs on this rank's rows alone (`_rows_alone`, defined below).
     loss_call = LossCall(
@@ -203,7 +205,7 @@ class DetectionHead(LossHead):
 
     def _matched(self, logits: torch.Tensor, boxes: torch.Tensor, lists: list[dict]):
         """`(image, query, target)` index vectors of the matched pairs, on the logits' device."""
-        indices = self.matcher({"logits": logits.detach(), "pred_boxes": boxes.detach()}, lists)
+        indices = self.matcher({"logits": logits.detach(), "pred_boxes": boxes.detach()}, lists, **self.match_options)
         image = torch.cat([torch.full_like(queries, i) for i, (queries, _) in enumerate(indices)])
         query = torch.cat([queries for queries, _ in indices])
         target = torch.cat([targets for _, targets in indices])
@@ -228,6 +230,87 @@ class DetectionHead(LossHead):
         return self.bbox_weight * l1 + self.giou_weight * (1 - _pairwise_giou(predicted, target))
 
 
+class GroupedDetectionHead(DetectionHead):
+    """
+    LW-DETR's and RF-DETR's detection loss (`LwDetrForObjectDetectionLoss`), per image: the queries come in
+    `groups` (group DETR: in training `groups` x `queries` predictions, each group matched to the image's boxes on its
+    own; the loss always splits the predictions into `groups`), the class term is IoU-aware (each matched query's
+    target is its class probability^alpha x its box's IoU^(1 - alpha), at least 0.01; every other query and class is
+    pushed to 0 with a weight of its probability squared), and the decoder's earlier layers and the encoder's
+    proposals add the same terms. Every term, weighted by `class_loss_coefficient`, `bbox_loss_coefficient` and
+    `giou_loss_coefficient`, is divided by one count: the step's boxes x `groups` (at least 1).
+
+    Args:
+        matcher (`nn.Module`), queries (`int`), num_classes (`int`), bbox_weight (`float`), giou_weight (`float`),
+            auxiliary_layers (`int`), focal_alpha (`float`): as for `DetectionHead`.
+        class_weight (`float`): `config.class_loss_coefficient`.
+        groups (`int`): `config.group_detr`.
+    """
+
+    loss_call = LossCall(
+        ("outputs_class", "outputs_coord", "enc_outputs_class", "enc_outputs_coord"),
+        stand_in=_stand_in_loss,
+        own_context=lambda: _rows_alone(),
+    )
+
+    def __init__(self, matcher, queries, num_classes, bbox_weight, giou_weight, auxiliary_layers, **options):
+        groups, class_weight = int(options.pop("groups")), float(options.pop("class_weight"))
+        super().__init__(matcher, queries, num_classes, bbox_weight, giou_weight, auxiliary_layers, **options)
+        self.name = "object_detection/grouped"
+        self.groups, self.class_weight = groups, class_weight
+        self.match_options = {"group_detr": groups}
+
+    def row_terms(self, outputs, labels: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = BoxTargets.pack(labels["labels"])
+        logits, boxes = outputs["logits"], outputs["pred_boxes"]
+        rows = targets.class_labels.shape[0]
+        if logits.dim() != 3 or logits.shape[0] != rows or logits.shape[-1] != self.num_classes:
+            raise HeadMismatch(
+                f"{self.name}: logits of shape {tuple(logits.shape)} are not [{rows} images, queries, "
+                f"{self.num_classes} classes]."
+            )
+        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
+        call = labels.get(LOSS_CALL_KEY, {})
+        layers = [(logits, boxes), *self._auxiliary(call), self._proposals(call, outputs)]
+        lists = targets.for_model()
+        sums = logits.new_zeros(rows, dtype=torch.float32)
+        for layer_logits, layer_boxes in layers:
+            image, query, target = self._matched(layer_logits, layer_boxes, lists)
+            classes = self._quality_sums(layer_logits, layer_boxes, targets, image, query, target)
+            sums = sums + self.class_weight * classes.float()
+            pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
+            sums = sums.index_add(0, image, pairs)
+        return sums.unsqueeze(-1), self._row_counts(targets)
+
+    def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
+        """`[images, 1]` float64: each image's boxes, once per query group."""
+        return (targets.box_counts().double() * self.groups).unsqueeze(-1)
+
+    def _proposals(self, call: dict, outputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's proposals (logits, boxes), which the loss matches and scores like a decoder layer's."""
+        classes, coords = call.get("enc_outputs_class"), call.get("enc_outputs_coord")
+        if classes is None or coords is None:
+            classes, coords = outputs.get("enc_outputs_class"), outputs.get("enc_outputs_coord_logits")
+        if classes is None or coords is None:
+            raise HeadMismatch(f"{self.name}: the model gave no encoder proposals to its loss.")
+        return classes, coords
+
+    def _quality_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
+        """`[images]`: the IoU-aware class term of each image, every query and class."""
+        dtype = logits.dtype
+        probability = logits.sigmoid()
+        positive = torch.zeros_like(logits)
+        negative = probability.pow(2).to(dtype)
+        classes = targets.class_labels[image, target]
+        iou = _pairwise_iou(boxes[image, query].detach(), targets.boxes[image, target]).to(dtype)
+        quality = probability[image, query, classes].pow(self.focal_alpha) * iou.pow(1 - self.focal_alpha)
+        quality = quality.clamp(0.01).detach().to(dtype)
+        positive[image, query, classes] = quality
+        negative[image, query, classes] = 1 - quality
+        loss = -positive * probability.log() - negative * (1 - probability).log()
+        return loss.flatten(1).sum(-1)
+
+
 def _focal(logits: torch.Tensor, target: torch.Tensor, alpha: float, gamma: float = 2.0) -> torch.Tensor:
     """The sigmoid focal loss of each entry (RetinaNet's, as transformers' DETR losses take it)."""
     probability = logits.sigmoid()
@@ -244,14 +327,25 @@ def _corners(boxes: torch.Tensor) -> torch.Tensor:
     return torch.cat([center - size / 2, center + size / 2], -1)
 
 
-def _pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`[pairs]`: the generalized IoU of boxes `a[i]` and `b[i]` (center format)."""
-    a, b = _corners(a), _corners(b)
+def _intersection_union(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[pairs]` each: the intersection and the union of corner-format boxes `a[i]` and `b[i]`."""
     area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
     area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     inner = (torch.min(a[:, 2:], b[:, 2:]) - torch.max(a[:, :2], b[:, :2])).clamp(min=0)
     intersection = inner[:, 0] * inner[:, 1]
-    union = area_a + area_b - intersection
+    return intersection, area_a + area_b - intersection
+
+
+def _pairwise_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[pairs]`: the IoU of boxes `a[i]` and `b[i]` (center format)."""
+    intersection, union = _intersection_union(_corners(a), _corners(b))
+    return intersection / union
+
+
+def _pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[pairs]`: the generalized IoU of boxes `a[i]` and `b[i]` (center format)."""
+    a, b = _corners(a), _corners(b)
+    intersection, union = _intersection_union(a, b)
     outer = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0)
     enclosing = outer[:, 0] * outer[:, 1]
     return intersection / union - (enclosing - union) / enclosing
@@ -271,19 +365,20 @@ _patch_depth = 0
 def _rows_alone():
     """
     Within it, transformers' DETR losses count the boxes of their own rows, as on one device: in a run of several
-    processes they reduce the count over the ranks (accelerate's `reduce`, a mean) and divide it by the world size
-    again. Only where several processes run; nested and threaded uses share one patch.
+    processes DETR's reduce the count over the ranks (accelerate's `reduce`, a mean) and divide it by the world size
+    again, LW-DETR's all-reduce it and divide by the world size. Only where several processes run; nested and
+    threaded uses share one patch.
     """
     global _patch_depth
-    module = _detr_loss_module()
     several = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if module is None or not hasattr(module, "PartialState") or not several:
+    if not several:
         yield
         return
     with _patch_lock:
         if _patch_depth == 0:
-            _rows_alone.saved = module.PartialState
-            module.PartialState = _NoSharedState
+            _rows_alone.saved = [(module, name, getattr(module, name)) for module, name, _ in _local_counts()]
+            for module, name, value in _local_counts():
+                setattr(module, name, value)
         _patch_depth += 1
     try:
         yield
@@ -291,7 +386,23 @@ def _rows_alone():
         with _patch_lock:
             _patch_depth -= 1
             if _patch_depth == 0:
-                module.PartialState = _rows_alone.saved
+                for module, name, value in _rows_alone.saved:
+                    setattr(module, name, value)
+
+
+def _local_counts() -> list[tuple]:
+    """(module, name, stand-in) of what makes a detection loss count over every process."""
+    patches = []
+    module = _detr_loss_module()
+    if module is not None and hasattr(module, "PartialState"):
+        patches.append((module, "PartialState", _NoSharedState))
+    try:
+        from transformers.loss import loss_lw_detr
+    except ImportError:
+        return patches
+    if hasattr(loss_lw_detr, "_is_torch_distributed_initialized"):
+        patches.append((loss_lw_detr, "_is_torch_distributed_initialized", lambda: False))
+    return patches
 
 
 def _detr_loss_module():
@@ -318,7 +429,8 @@ def _missing_box_helpers() -> str | None:
 
 
 def _losses() -> dict:
-    """transformers' DETR loss functions: the matcher each uses, and whether its class term is a softmax."""
+    """transformers' DETR loss functions: the matcher each uses, and its class term ("softmax", "focal", or LW-DETR's
+    "grouped" IoU-aware one)."""
     try:
         from transformers.loss.loss_deformable_detr import (
             DeformableDetrForObjectDetectionLoss,
@@ -327,10 +439,16 @@ def _losses() -> dict:
         from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss, HungarianMatcher
     except ImportError:
         return {}
-    return {
-        ForObjectDetectionLoss: (HungarianMatcher, True),
-        DeformableDetrForObjectDetectionLoss: (DeformableDetrHungarianMatcher, False),
+    losses = {
+        ForObjectDetectionLoss: (HungarianMatcher, "softmax"),
+        DeformableDetrForObjectDetectionLoss: (DeformableDetrHungarianMatcher, "focal"),
     }
+    try:
+        from transformers.loss.loss_lw_detr import LwDetrForObjectDetectionLoss, LwDetrHungarianMatcher
+    except ImportError:  # transformers before LW-DETR
+        return losses
+    losses[LwDetrForObjectDetectionLoss] = (LwDetrHungarianMatcher, "grouped")
+    return losses
 
 
 # Why the other detection losses of transformers stay on the stock loss, by the name of their loss function.
@@ -343,7 +461,6 @@ _OTHER_LOSSES = {
     "RTDetr": _DENOISING,
     "DFine": _DENOISING,
     "Deimv2": _DENOISING,
-    "LwDetr": ": LW-DETR's and RF-DETR's query groups and IoU-aware class term are not computed per image yet",
 }
 
 
@@ -361,7 +478,7 @@ def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     queries = getattr(config, "num_queries", None) or getattr(config, "num_detection_tokens", None)
     if not isinstance(queries, int):
         raise UnsupportedHead(f"{name}'s config gives no number of queries (num_queries, num_detection_tokens).")
-    matcher_class, softmax = losses[loss_function]
+    matcher_class, kind = losses[loss_function]
     missing = _missing_box_helpers()
     if missing is not None:
         raise ImportError(missing.format(name=name))
@@ -370,15 +487,20 @@ def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     except ImportError as missing:  # the matcher needs scipy
         raise UnsupportedHead(f"{name}'s Hungarian matching needs scipy: pip install scipy.") from missing
     auxiliary = max(getattr(config, "decoder_layers", 1) - 1, 0) if getattr(config, "auxiliary_loss", False) else 0
-    return DetectionHead(
+    common = (
         matcher,
         queries,
         config.num_labels,
         config.bbox_loss_coefficient,
         config.giou_loss_coefficient,
         auxiliary,
-        eos_weight=float(config.eos_coefficient) if softmax else None,
-        focal_alpha=float(getattr(config, "focal_alpha", 0.25)),
+    )
+    alpha = float(getattr(config, "focal_alpha", 0.25))
+    if kind == "grouped":
+        options = {"groups": config.group_detr, "class_weight": config.class_loss_coefficient}
+        return GroupedDetectionHead(*common, focal_alpha=alpha, **options)
+    return DetectionHead(
+        *common, eos_weight=float(config.eos_coefficient) if kind == "softmax" else None, focal_alpha=alpha
     )
 
 

@@ -1,12 +1,12 @@
 """
 DETR-style detection exact (tests/helpers/detection.py: DETR's softmax class term with its "no object" weight,
-Deformable DETR's focal one, both with auxiliary decoder layers; YOLOS): one process equals the model's own loss and
-gradient on the whole step in one forward, and its own eval loss on the whole evaluation set; gradient accumulation,
-torch's DataParallel (the emulation, even and with `gpu0_bsz`), 2-rank DDP (with and without accumulation, and an
-epoch's padded last step) and a hand-written loop (`ExactLoop`) equal one process. Stock is the control that must
-differ: a mean of micro-batch means under accumulation, and under DDP box terms divided by the ranks' mean box count
-over the world size again. Then the parts: the packed targets, the model's loss spared outside the check, RT-DETR-style
-losses warned.
+Deformable DETR's focal one, both with auxiliary decoder layers; YOLOS; RF-DETR's query groups and IoU-aware class
+term): one process equals the model's own loss and gradient on the whole step in one forward, and its own eval loss on
+the whole evaluation set; gradient accumulation, torch's DataParallel (the emulation, even and with `gpu0_bsz`), 2-rank
+DDP (with and without accumulation, and an epoch's padded last step) and a hand-written loop (`ExactLoop`) equal one
+process. Stock is the control that must differ: a mean of micro-batch means under accumulation, and under DDP box
+terms divided by the ranks' mean box count over the world size again. Then the parts: the packed targets, the model's
+loss spared outside the check, LW-DETR forward by forward, RT-DETR-style losses warned.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hf_parallel.exact import resolve_head
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, HeadMismatch, LossCallWatch
 from hf_parallel.exact.heads.detection import BoxTargets, DetectionHead
 from hf_parallel.exact.resolve import UnsupportedHead
-from tests.helpers.detection import CASES, collate
+from tests.helpers.detection import BOXES_PER_IMAGE, CASES, collate
 from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,
@@ -68,6 +68,7 @@ IN_PROCESS = [
         ("detr_detection", (GA2, DP2, DP3_GPU0)),
         ("deformable_detr_detection", (GA2, DP2)),
         ("yolos_detection", (GA2, DP2)),
+        ("rf_detr_detection", (GA2, DP2)),
     )
     for topology in topologies
 ]
@@ -79,7 +80,7 @@ def test_in_process_topologies_equal_one_process(case, topology):
     assert_equivalent(result, single(case), f"{case} under {topology.name}", TOL)
 
 
-@pytest.mark.parametrize("case", ["detr_detection", "deformable_detr_detection"])
+@pytest.mark.parametrize("case", ["detr_detection", "deformable_detr_detection", "rf_detr_detection"])
 def test_control_stock_under_gradient_accumulation(case):
     """Stock averages the micro-batches' means: its images weigh by their micro-batch's boxes, not the step's."""
     stock = run_case(CASES[case], GA2, stock=True)
@@ -176,6 +177,56 @@ def test_the_models_own_loss_is_spared_outside_the_check():
     assert head.combine(sums.sum(0), counts.sum(0)).item() == pytest.approx(checked.item(), rel=TOL)
 
 
+def test_lw_detr_is_the_models_own_loss_on_each_forward():
+    """LW-DETR: RF-DETR's loss (query groups, the IoU-aware class term, the encoder's proposals) on a ViT backbone with
+    batch normalisation in its projector, so that a step is exact forward by forward (the Trainer warns that a split
+    step normalises each part over its own rows): the head's loss and gradient equal the model's own."""
+    torch.manual_seed(0)
+    backbone = transformers.LwDetrViTConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        mlp_ratio=1,
+        image_size=64,
+        pretrain_image_size=64,
+        patch_size=16,
+        num_windows=1,
+        out_indices=[1, 2],
+    )
+    config = transformers.LwDetrConfig(
+        backbone_config=backbone,
+        d_model=16,
+        decoder_ffn_dim=16,
+        decoder_layers=2,
+        decoder_self_attention_heads=2,
+        decoder_cross_attention_heads=2,
+        decoder_n_points=2,
+        c2f_num_blocks=1,
+        projector_scale_factors=[1.0],
+        num_queries=5,
+        group_detr=3,
+        num_labels=3,
+    )
+    model = transformers.LwDetrForObjectDetection(config).train()
+    batch = collate(CASES["detr_detection"].rows(4, 1))
+    own = model(**batch).loss
+    own.backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    head = resolve_head(model)
+    watch = LossCallWatch(model, head.loss_call.arguments, instead=head.loss_call.stand_in)
+    outputs = model(**batch)
+    call = watch.take()
+    watch.remove()
+    sums, counts = head.row_terms(outputs, {**head.pop_labels(dict(batch)), LOSS_CALL_KEY: call})
+    loss = head.combine(sums.sum(0), counts.sum(0))
+    loss.backward()
+    assert head.name == "object_detection/grouped" and counts.sum().item() == 3 * sum(BOXES_PER_IMAGE[:4])
+    assert loss.item() == pytest.approx(own.item(), rel=TOL)
+    grads = {name: p.grad for name, p in model.named_parameters() if name in reference}
+    assert max_relative_diff(grads, reference) < TOL
+
+
 def test_rt_detr_style_losses_stay_on_the_stock_loss_with_their_reason():
     """RT-DETR's training forward is batch-coupled (denoising groups from the batch's largest box count)."""
     config = transformers.RTDetrConfig(
@@ -200,6 +251,7 @@ def test_heads_resolve_by_the_models_loss_function():
         "detr_detection": "object_detection/softmax",
         "deformable_detr_detection": "object_detection/focal",
         "yolos_detection": "object_detection/softmax",
+        "rf_detr_detection": "object_detection/grouped",
     }
     assert all(isinstance(resolve_head(CASES[case].build(0)), DetectionHead) for case in CASES)
 
