@@ -57,6 +57,7 @@ def _run_example(tmp_path: Path, name: str) -> tuple[str, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an end-to-end example (~9 s): .ci/run runs the full step
 def test_image_classification_example_learns_and_reload_matches(tmp_path):
     output, out = _run_example(tmp_path, "image_classification")
     assert f"Saved the model to {out}" in output
@@ -67,6 +68,7 @@ def test_image_classification_example_learns_and_reload_matches(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an end-to-end example (~9 s): .ci/run runs the full step
 def test_speech_recognition_example_loss_falls_and_reload_matches(tmp_path):
     output, out = _run_example(tmp_path, "speech_recognition")
     assert f"Saved the model and processor to {out}" in output

@@ -262,6 +262,7 @@ def _assert_ddp(result: RunResult) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_subclass_calling_super_loses_the_world_size_factor(ddp_results):
     stock, ours, off = (ddp_results[n] for n in ("stock, super()", "ours, super()", "ours, super(), exact_loss=False"))
     for result in (stock, ours, off):
@@ -276,6 +277,7 @@ def test_ddp_subclass_calling_super_loses_the_world_size_factor(ddp_results):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_subclass_with_its_own_mean_is_divided_by_the_accumulation_steps(ddp_results):
     stock, ours = ddp_results["stock, own mean, GA 2"], ddp_results["ours, own mean, GA 2"]
     _assert_ddp(stock)
@@ -285,6 +287,7 @@ def test_ddp_subclass_with_its_own_mean_is_divided_by_the_accumulation_steps(ddp
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_subclass_that_reads_the_count_is_left_alone(ddp_results):
     stock, ours = ddp_results["stock, counted sum, GA 2"], ddp_results["ours, counted sum, GA 2"]
     _assert_ddp(ours)

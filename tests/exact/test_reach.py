@@ -141,6 +141,7 @@ def _compiled_after_evaluate(output_dir: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_compiled_model_evaluated_first_still_trains_in_sync(ddp_report):
     report = ddp_report["compiled"]
     assert report["ours"] == 0.0  # trained in DDP: the ranks stay equal
@@ -209,6 +210,7 @@ def _packed_definition(n: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_packed_evaluation_counts_each_sample_once_under_ddp(ddp_report):
     report = ddp_report["packed"]
     for n in PACKED_EVAL_SIZES:

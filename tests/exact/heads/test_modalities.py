@@ -111,6 +111,7 @@ def ddp_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_two_ranks_equal_one_process(ddp_results):
     for name, result in ddp_results.items():
         if name.startswith("stock"):

@@ -194,6 +194,7 @@ def ddp_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_two_ranks_equal_one_process(ddp_results):
     for case in CASES:
         result = ddp_results[f"DDP 2: {case}"]
