@@ -150,6 +150,7 @@ def ddp_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_two_ranks_equal_one_process(ddp_results):
     for case in CASE_NAMES:
         result = ddp_results[f"DDP 2: {case}"]
@@ -162,6 +163,7 @@ def test_ddp_two_ranks_equal_one_process(ddp_results):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_with_gradient_accumulation_equals_one_process(ddp_results):
     for case in GA_CASES:
         result = ddp_results[f"{DDP2_GA2.name}: {case}"]
@@ -173,6 +175,7 @@ def test_ddp_with_gradient_accumulation_equals_one_process(ddp_results):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_train_loss_of_unlogged_steps_is_the_global_loss(ddp_results):
     """With no logging step before the end, train_loss comes from each rank's remainder: averaged, not local."""
     for case in UNLOGGED_CASES:
@@ -255,6 +258,7 @@ def test_control_stock_eval_loss_is_a_mean_of_batch_means():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_control_stock_ddp(ddp_results):
     """Stock under 2-rank DDP: the classifier's loss and gradient x2, and evaluate() before train() skips DDP."""
     stock = ddp_results["stock DDP 2: bert_single_label"]

@@ -127,9 +127,8 @@ def _resumed_on_two(root: str) -> None:
     _save(results, f"{root}/two ranks.pt")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    root = str(tmp_path_factory.mktemp("deepspeed_resume"))
+def run_all(root: str) -> dict:
+    """Every run of this module under `root` (also `benchmarks.resume`'s): the results by name."""
     spawn_cpu_ranks(_uninterrupted, (root,), 2, timeout=DEADLINE_S, cpu_as_accelerator=True)
     killed = {}
     for stage in KILLED_STAGES:
@@ -148,6 +147,11 @@ def runs(tmp_path_factory) -> dict:
         "one": torch.load(f"{root}/one process.pt", weights_only=False),
         "two": torch.load(f"{root}/two ranks.pt", weights_only=False),
     }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return run_all(str(tmp_path_factory.mktemp("deepspeed_resume")))
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -182,6 +182,7 @@ def ddp_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_two_ranks_equal_one_process(ddp_results):
     for name, result in ddp_results.items():
         if name.startswith("stock"):
@@ -251,6 +252,7 @@ def _loop_worker(out_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_exact_loop_on_two_ddp_ranks_equals_one_process(tmp_path):
     spawn_cpu_ranks(_loop_worker, args=(str(tmp_path),), num_processes=2, timeout=240)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]

@@ -136,6 +136,7 @@ DDP = Topology("DDP 2 x B", per_device=TRAIN_ROWS // 2, processes=2)
 PADDED = dict(train_rows=10, max_steps=2, evaluate_first=True)
 
 
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_fused_loss_under_ddp_is_exact_with_padded_steps_and_eval_duplicates(tmp_path):
     runs = {
         "fused": (FUSED, DDP, False, {}),

@@ -77,6 +77,7 @@ def _copy(source, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_a_kill_mid_save_leaves_the_last_complete_checkpoint(killed, reference, tmp_path):
     out = _copy(killed["exact"], tmp_path)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
@@ -92,6 +93,7 @@ def test_a_kill_mid_save_leaves_the_last_complete_checkpoint(killed, reference, 
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_stock_killed_mid_save_cannot_resume(killed, tmp_path):
     out = _copy(killed["stock"], tmp_path)
     # The control: stock writes in place, so its torn checkpoint-4 is the newest, and resuming picks it and fails.
@@ -105,6 +107,7 @@ def test_stock_killed_mid_save_cannot_resume(killed, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_a_torn_checkpoint_is_passed_over_or_refused_by_name(killed, reference, tmp_path):
     out = _copy(killed["stock"], tmp_path)
     torn = out / "checkpoint-4"
@@ -180,6 +183,7 @@ def test_a_rank_without_its_random_state_gets_a_defined_one(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_another_global_batch_is_warned(killed, tmp_path):
     out = _copy(killed["exact"], tmp_path)
     checkpoint = str(out / "checkpoint-2")
@@ -226,6 +230,7 @@ def topologies(tmp_path_factory) -> tuple:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_resume_on_another_number_of_processes_continues_the_run_exactly(topologies, reference):
     out, results = topologies
     for name in ("2 x 4", "2 x 2 x GA 2"):

@@ -178,6 +178,7 @@ def test_resume_a_quantization_aware_model(trainer_cls, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # real kills of child processes (~6 s): .ci/run runs the full step
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     killed = tmp_path / "killed"
     log = tmp_path / "worker.log"  # a file, not a pipe: a full pipe would block the worker before it is killed
@@ -262,6 +263,7 @@ def _ddp_worker(output_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~7 s): .ci/run runs the full step
 def test_ddp_checkpoints_are_clean_and_resume(tmp_path):
     spawn_cpu_ranks(_ddp_worker, (str(tmp_path),), num_processes=2)
     assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()

@@ -142,11 +142,10 @@ def _after(root: str) -> None:
     _save(results, f"{root}/after.pt")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def run_all(root: str) -> dict:
+    """Every run of this module under `root` (also `benchmarks.resume`'s): the results by name."""
     from tests.test_tensor_parallel import build
 
-    root = str(tmp_path_factory.mktemp("sharded_resume"))
     build("tokens").save_pretrained(f"{root}/initial")
     spawn_cpu_ranks(_on_two_ranks, (root,), 2, timeout=DEADLINE_S, cpu_as_accelerator=True)
     try:
@@ -161,6 +160,11 @@ def runs(tmp_path_factory) -> dict:
     for name in ("two ranks", "one process", "after"):
         results.update(torch.load(f"{root}/{name}.pt", weights_only=False))
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return run_all(str(tmp_path_factory.mktemp("sharded_resume")))
 
 
 def _max_diff(a: dict, b: dict) -> float:
