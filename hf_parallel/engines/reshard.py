@@ -7,8 +7,8 @@ converts Adam's two moments only (SGD's `momentum_buffer` fails its converter wi
 ZeRO-3 run resumed from it drifts from the uninterrupted run from its second step, even on the same world size.
 
 Here every rank's partition of the fp32 master weights, and of each optimizer state the optimizer keeps (whatever its
-keys), is merged into whole tensors with the merge `zero_to_fp32` uses for the weights (DeepSpeed's own layout of
-ZeRO 1/2 groups and ZeRO-3 sub-groups), and written into the new engine's partitions with
+keys), is read once and merged into whole tensors with the merge `zero_to_fp32` uses for the weights (DeepSpeed's own
+layout of ZeRO 1/2 groups and ZeRO-3 sub-groups), and written into the new engine's partitions with
 `deepspeed.utils.safe_set_full_fp32_param` / `safe_set_full_optimizer_state`: weights, optimizer state, the
 optimizer's step count, buffers and frozen parameters, the engine's counters and its own scheduler, if any.
 The Trainer's scheduler, data position and RNG are loaded by the Trainer as on the same world size.
@@ -59,30 +59,38 @@ def _group_states(optimizer: dict) -> list[dict]:
     return list(state)
 
 
-def _merge(flats: list[list[torch.Tensor]], optimizers: list[dict], model_states: list) -> dict[str, torch.Tensor]:
-    """Whole tensors by parameter name from every rank's flat partitions (`flats[rank][group]`)."""
+def _whole(flats: list[list[torch.Tensor]], optimizers: list[dict], model_states: list) -> dict[str, torch.Tensor]:
+    """
+    Whole tensors by parameter name from every rank's flat partitions (`flats[rank][group]`): the fp32 masters' or one
+    optimizer state's, with `zero_to_fp32`'s own merge of the stage's layout (buffers, frozen and tied parameters
+    come along from the model-state files).
+    """
     from deepspeed.utils import zero_to_fp32
 
-    merged: dict = {}
-    world_size, stage = len(flats), int(optimizers[0]["zero_stage"])
-    if stage <= 2:
-        paddings = optimizers[0].get(zero_to_fp32.PARAM_ALIGNMENT_PADDINGS)
-        zero_to_fp32._zero2_merge_trainable_params(merged, world_size, flats, model_states, paddings)
+    world_size, first = len(flats), optimizers[0]
+    if int(first["zero_stage"]) <= 2:
+        paddings = first.get(zero_to_fp32.PARAM_ALIGNMENT_PADDINGS)
+        merged = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+            world_size, flats, model_states, False, paddings
+        )
     else:
-        zero_to_fp32._zero3_merge_trainable_params(merged, world_size, flats, model_states)
-    return {name: getattr(t, "contiguous", lambda t=t: t)() for name, t in merged.items()}
+        merged = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world_size, flats, model_states, False)
+    return zero_to_fp32.to_torch_tensor(merged)
 
 
 def _whole_states(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], object]:
     """The checkpoint's fp32 weights (buffers and frozen parameters included), each optimizer state by key, and the
-    optimizer's step count, every one whole."""
+    optimizer's step count, every one whole; every rank's files read once."""
     from deepspeed.utils import zero_to_fp32
 
-    weights = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(folder), os.path.basename(folder))
     optimizers, model_states = _read_partitions(folder)
+    masters = zero_to_fp32.SINGLE_PARTITION_OF_FP32_GROUPS
+    if int(optimizers[0]["zero_stage"]) > 2:
+        masters = zero_to_fp32.FP32_FLAT_GROUPS
+    weights = _whole([optimizer[masters] for optimizer in optimizers], optimizers, model_states)
     groups = [_group_states(optimizer) for optimizer in optimizers]
     keys = [k for k, v in groups[0][0].items() if torch.is_tensor(v) and v.dim() == 1]
-    states = {key: _merge([[g[key] for g in rank] for rank in groups], optimizers, model_states) for key in keys}
+    states = {key: _whole([[g[key] for g in rank] for rank in groups], optimizers, model_states) for key in keys}
     return weights, states, groups[0][0].get("step")
 
 
@@ -179,12 +187,13 @@ def load_on_any_world_size(engine, checkpoint: str, load_module_strict: bool, lo
     size: the same world size as the checkpoint's is DeepSpeed's own load; another merges and re-partitions.
     """
     folder = deepspeed_checkpoint_folder(checkpoint)
-    if folder is None or saved_world_size(folder) in (0, engine.dp_world_size):
+    saved = saved_world_size(folder) if folder is not None else 0
+    if saved in (0, engine.dp_world_size):
         return load(engine, checkpoint, load_module_strict=load_module_strict)
     from transformers.utils import logging
 
     logging.get_logger(__name__).warning(
-        f"{checkpoint} was written by DeepSpeed on {saved_world_size(folder)} data-parallel ranks and is resumed on "
+        f"{checkpoint} was written by DeepSpeed on {saved} data-parallel ranks and is resumed on "
         f"{engine.dp_world_size}: its weights and optimizer state are merged from their partitions and partitioned "
         "again (DeepSpeed's own loader refuses another world size)."
     )

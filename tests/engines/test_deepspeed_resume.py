@@ -17,10 +17,10 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.helpers.harness import record_hf_parallel_log
+from tests.helpers.resumes import error_of, largest_difference, save_on_main
 
 pytest.importorskip("deepspeed", reason='deepspeed is not installed: pip install -e ".[deepspeed]"')
 
@@ -59,24 +59,10 @@ def _train(out: str, stage: int, stock: bool = False, per_device: int = 4, accum
     return _parameters(trainer.accelerator.unwrap_model(trainer.model))
 
 
-def _error(function, *args, **kwargs) -> str:
-    """What `function(*args, **kwargs)` raised, as "Type: message"."""
-    try:
-        function(*args, **kwargs)
-    except Exception as error:  # the message is the result
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
-def _save(results: dict, path: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(results, path)
-
-
 def _uninterrupted(root: str) -> None:
     """On 2 ranks: every stage's uninterrupted run, its checkpoints kept (the other world size resumes them)."""
     torch.set_num_threads(1)
-    _save({stage: _train(f"{root}/ZeRO-{stage}", stage) for stage in STAGES}, f"{root}/uninterrupted.pt")
+    save_on_main({stage: _train(f"{root}/ZeRO-{stage}", stage) for stage in STAGES}, f"{root}/uninterrupted.pt")
 
 
 def _killed(root: str, stage: int, stock: bool) -> None:
@@ -93,25 +79,25 @@ def _one_process(root: str) -> None:
     # First, before any DeepSpeed run: once one ran, the process's accelerate state keeps its engine.
     results = {}
     zero = f"{root}/ZeRO-2/checkpoint-2"
-    results["DeepSpeed without it"] = _error(
+    results["DeepSpeed without it"] = error_of(
         lambda: make_trainer(f"{root}/no engine", per_device=4, accumulation=2, use_cpu=False).train(
             resume_from_checkpoint=zero
         )
     )
     plain = f"{root}/plain"
     make_trainer(plain, per_device=4, accumulation=2, max_steps=2, save_total_limit=None, use_cpu=False).train()
-    results["plain under DeepSpeed"] = _error(_train, plain, 2, accumulation=2, resume=f"{plain}/checkpoint-2")
+    results["plain under DeepSpeed"] = error_of(_train, plain, 2, accumulation=2, resume=f"{plain}/checkpoint-2")
     for stage in STAGES:
         run = f"{root}/2 to 1 ZeRO-{stage}"
         shutil.copytree(f"{root}/ZeRO-{stage}/checkpoint-2", f"{run}/checkpoint-2")
         with record_hf_parallel_log() as log:
             results[stage] = _train(run, stage, accumulation=2, resume=f"{run}/checkpoint-2")
         results[f"{stage} log"] = log.text
-        results[f"{stage} stock"] = _error(
+        results[f"{stage} stock"] = error_of(
             _train, run, stage, stock=True, accumulation=2, resume=f"{run}/checkpoint-2"
         )
     _train(f"{root}/1 to 2 ZeRO-3", 3, accumulation=2, max_steps=2)
-    _save(results, f"{root}/one process.pt")
+    save_on_main(results, f"{root}/one process.pt")
 
 
 def _resumed_on_two(root: str) -> None:
@@ -122,9 +108,9 @@ def _resumed_on_two(root: str) -> None:
         with record_hf_parallel_log() as log:
             results[stage] = _train(f"{root}/killed ZeRO-{stage}", stage, resume=True)
         results[f"{stage} log"] = log.text
-        results[f"{stage} stock"] = _error(_train, f"{root}/killed ZeRO-{stage} stock", stage, True, resume=True)
+        results[f"{stage} stock"] = error_of(_train, f"{root}/killed ZeRO-{stage} stock", stage, True, resume=True)
     results["1 to 2"] = _train(f"{root}/1 to 2 ZeRO-3", 3, resume=True)
-    _save(results, f"{root}/two ranks.pt")
+    save_on_main(results, f"{root}/two ranks.pt")
 
 
 def run_all(root: str) -> dict:
@@ -154,11 +140,6 @@ def runs(tmp_path_factory) -> dict:
     return run_all(str(tmp_path_factory.mktemp("deepspeed_resume")))
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[name] - b[name]).abs().max().item() for name in b)
-
-
 @pytest.mark.parametrize("stage", KILLED_STAGES, ids=lambda stage: f"ZeRO-{stage}")
 def test_a_kill_mid_save_resumes_from_the_last_complete_checkpoint(runs, stage):
     for stock in (False, True):
@@ -167,7 +148,7 @@ def test_a_kill_mid_save_resumes_from_the_last_complete_checkpoint(runs, stage):
     assert [name for name in runs["killed"][stage, False, "left"] if name.startswith("checkpoint")] == ["checkpoint-2"]
     assert "checkpoint-4" in runs["killed"][stage, True, "left"]
     assert "resuming from" in runs["two"][f"{stage} log"] and "checkpoint-2" in runs["two"][f"{stage} log"]
-    assert _max_diff(runs["two"][stage], runs["uninterrupted"][stage]) < TOLERANCE
+    assert largest_difference(runs["two"][stage], runs["uninterrupted"][stage]) < TOLERANCE
     # Stock picks the torn checkpoint-4 it left behind.
     assert runs["two"][f"{stage} stock"].startswith("FileNotFoundError"), runs["two"][f"{stage} stock"]
     assert "checkpoint-4" in runs["two"][f"{stage} stock"] and "trainer_state.json" in runs["two"][f"{stage} stock"]
@@ -175,14 +156,14 @@ def test_a_kill_mid_save_resumes_from_the_last_complete_checkpoint(runs, stage):
 
 @pytest.mark.parametrize("stage", STAGES, ids=lambda stage: f"ZeRO-{stage}")
 def test_two_ranks_resume_in_one_process_exactly(runs, stage):
-    assert _max_diff(runs["one"][stage], runs["uninterrupted"][stage]) < TOLERANCE
+    assert largest_difference(runs["one"][stage], runs["uninterrupted"][stage]) < TOLERANCE
     assert "written by DeepSpeed on 2 data-parallel ranks and is resumed on 1" in runs["one"][f"{stage} log"]
     stock = runs["one"][f"{stage} stock"]
     assert "ZeRORuntimeException" in stock and "DP world size of 2 but the current world size is 1" in stock, stock
 
 
 def test_one_process_resumes_on_two_ranks_exactly(runs):
-    assert _max_diff(runs["two"]["1 to 2"], runs["uninterrupted"][3]) < TOLERANCE
+    assert largest_difference(runs["two"]["1 to 2"], runs["uninterrupted"][3]) < TOLERANCE
 
 
 def test_a_checkpoint_of_the_other_engine_is_refused_by_name(runs):

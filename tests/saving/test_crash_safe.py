@@ -34,6 +34,7 @@ from tests.distributed.crash_worker import CASE, make_trainer, run
 from tests.helpers.harness import record_hf_parallel_log
 from tests.helpers.heads import CASES
 from tests.helpers.paths import NO_GPUS, ROOT, repo_env
+from tests.helpers.resumes import largest_difference
 
 KILLED = -9  # the child's return code after SIGKILL
 
@@ -66,10 +67,6 @@ def reference(tmp_path_factory) -> dict:
     return run(str(tmp_path_factory.mktemp("uninterrupted")))
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[name] - b[name]).abs().max().item() for name in b)
-
-
 def _copy(source, tmp_path):
     target = tmp_path / "run"
     shutil.copytree(source, target)
@@ -87,7 +84,7 @@ def test_a_kill_mid_save_leaves_the_last_complete_checkpoint(killed, reference, 
     with record_hf_parallel_log() as log:
         resumed = run(str(out), resume=True)
     assert "resuming from" in log.text and str(out / "checkpoint-2") in log.text and str(staged) in log.text
-    assert _max_diff(resumed, reference) < 1e-6
+    assert largest_difference(resumed, reference) < 1e-6
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]  # rotated, the torn save cleared
     assert not (out / STAGING_DIR).exists()
 
@@ -116,11 +113,11 @@ def test_a_torn_checkpoint_is_passed_over_or_refused_by_name(killed, reference, 
     with pytest.raises(ValueError, match="lacks trainer_state.json") as refused:
         trainer.train(resume_from_checkpoint=str(torn))
     assert str(out / "checkpoint-2") in str(refused.value)  # the one to pass instead
-    assert trainer.state.global_step == 0 and _max_diff(dict(trainer.model.named_parameters()), before) == 0
+    assert trainer.state.global_step == 0 and largest_difference(dict(trainer.model.named_parameters()), before) == 0
     with record_hf_parallel_log() as log:
         resumed = run(str(out), resume=True)
     assert f"{torn} lacks trainer_state.json" in log.text
-    assert _max_diff(resumed, reference) < 1e-6
+    assert largest_difference(resumed, reference) < 1e-6
 
 
 def test_rotation_runs_once_the_new_checkpoint_is_complete(tmp_path, monkeypatch):
@@ -234,15 +231,16 @@ def topologies(tmp_path_factory) -> tuple:
 def test_resume_on_another_number_of_processes_continues_the_run_exactly(topologies, reference):
     out, results = topologies
     for name in ("2 x 4", "2 x 2 x GA 2"):
-        assert _max_diff(results[name]["params"], reference) < 1e-6, name
+        assert largest_difference(results[name]["params"], reference) < 1e-6, name
         # The 1-process checkpoint has no random state for either rank: each gets the defined one, told.
         assert "holds no random state for process 0" in results[name]["log"], name
         assert "global batch" not in results[name]["log"], name
-    assert _max_diff(results["stock 2 x 4"]["params"], reference) > 1e-3  # stock's loss depends on the topology
+    # Stock's loss depends on the topology.
+    assert largest_difference(results["stock 2 x 4"]["params"], reference) > 1e-3
     # And back: the 2-rank checkpoint (steps 1-2 in 2 x 4) resumed in one process, 4 rows x GA 2.
     with record_hf_parallel_log() as log:
         resumed = run(str(out / "two ranks"), per_device=4, accumulation=2, resume=True)
-    assert _max_diff(resumed, reference) < 1e-6
+    assert largest_difference(resumed, reference) < 1e-6
     assert "holds no random state for process 0" in log.text
 
 
@@ -285,7 +283,7 @@ def test_fsdp2_sharded_checkpoints_survive_a_kill_mid_save(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr + resumed.stdout
     final = torch.load(out / "final.pt", weights_only=True)
-    assert _max_diff(final, torch.load(reference / "final.pt", weights_only=True)) < 1e-6
+    assert largest_difference(final, torch.load(reference / "final.pt", weights_only=True)) < 1e-6
 
 
 def test_the_state_file_is_the_one_transformers_writes():

@@ -27,6 +27,7 @@ import transformers
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.distributed.crash_worker import CrashingStockTrainer, CrashingTrainer
 from tests.helpers.harness import SGD_STEP, record_hf_parallel_log, training_args
+from tests.helpers.resumes import error_of, largest_difference, save_on_main
 from tests.helpers.tiny import ListDataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]  # five spawns of CPU ranks, ~2 minutes: .ci/run's own step
@@ -67,15 +68,6 @@ def _train(root: str, out: str, layout: dict | None, stock: bool = False, **opti
     return {n: p.detach().cpu().clone() for n, p in full.items()}
 
 
-def _error(function, *args, **kwargs) -> str:
-    """What `function(*args, **kwargs)` raised, as "Type: message"."""
-    try:
-        function(*args, **kwargs)
-    except Exception as error:  # the message is the result
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def _copy_checkpoint(root: str, source: str, run: str) -> str:
     """`source`'s checkpoint-2 copied into a fresh run folder `run` (by rank 0); its path."""
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -85,19 +77,14 @@ def _copy_checkpoint(root: str, source: str, run: str) -> str:
     return f"{root}/{run}/checkpoint-2"
 
 
-def _save(results: dict, path: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(results, path)
-
-
 def _on_two_ranks(root: str) -> None:
     """The uninterrupted run, stock's two refusals, and resumes of its checkpoint-2 on fsdp=2 and on tp=2."""
     torch.set_num_threads(1)
     results = {"uninterrupted": _train(root, f"{root}/fsdp", FSDP2, save_total_limit=None)}
-    results["stock with optimizer state"] = _error(_train, root, f"{root}/stock refused", FSDP2, stock=True)
+    results["stock with optimizer state"] = error_of(_train, root, f"{root}/stock refused", FSDP2, stock=True)
     _train(root, f"{root}/stock", FSDP2, stock=True, save_only_model=True, save_total_limit=None)  # model-only
     checkpoint = _copy_checkpoint(root, "stock", "stock same layout")
-    results["stock model only"] = _error(
+    results["stock model only"] = error_of(
         _train, root, f"{root}/stock same layout", FSDP2, stock=True, save_only_model=True, resume=checkpoint
     )
     with record_hf_parallel_log() as log:
@@ -107,7 +94,7 @@ def _on_two_ranks(root: str) -> None:
     results["fsdp log"] = log.text
     checkpoint = _copy_checkpoint(root, "fsdp", "tp")
     results["tp"] = _train(root, f"{root}/tp", TP2, gradient_accumulation_steps=2, resume=checkpoint)
-    _save(results, f"{root}/two ranks.pt")
+    save_on_main(results, f"{root}/two ranks.pt")
 
 
 def _killed(root: str) -> None:
@@ -128,7 +115,7 @@ def _in_one_process(root: str) -> None:
         root, f"{root}/stock one process", None, stock=True, gradient_accumulation_steps=2, resume=checkpoint
     )
     _train(root, f"{root}/plain", None, gradient_accumulation_steps=2, max_steps=2)
-    _save(results, f"{root}/one process.pt")
+    save_on_main(results, f"{root}/one process.pt")
 
 
 def _after(root: str) -> None:
@@ -139,7 +126,7 @@ def _after(root: str) -> None:
         results["killed"] = _train(root, f"{root}/killed", FSDP2, resume=True)
     results["killed log"] = log.text
     results["1 to 2"] = _train(root, f"{root}/plain", FSDP2, resume=f"{root}/plain/checkpoint-2")
-    _save(results, f"{root}/after.pt")
+    save_on_main(results, f"{root}/after.pt")
 
 
 def run_all(root: str) -> dict:
@@ -167,11 +154,6 @@ def runs(tmp_path_factory) -> dict:
     return run_all(str(tmp_path_factory.mktemp("sharded_resume")))
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[name] - b[name]).abs().max().item() for name in b)
-
-
 def test_the_optimizer_state_is_checkpointed(runs):
     folder = os.path.join(runs["root"], "fsdp", "checkpoint-2")
     assert {"model.safetensors", "optimizer_sharded", "scheduler.pt", "trainer_state.json"} <= set(os.listdir(folder))
@@ -181,17 +163,17 @@ def test_the_optimizer_state_is_checkpointed(runs):
 
 @pytest.mark.parametrize("name", ["fsdp", "tp", "one process", "1 to 2"])
 def test_a_resume_on_any_layout_ends_where_the_uninterrupted_run_ends(runs, name):
-    assert _max_diff(runs[name], runs["uninterrupted"]) < TOLERANCE
+    assert largest_difference(runs[name], runs["uninterrupted"]) < TOLERANCE
 
 
 def test_stock_cannot_resume_a_sharded_model(runs):
     assert "mixed torch.Tensor and DTensor" in runs["stock model only"], runs["stock model only"]
     # In one process it resumes the weights and silently starts the optimizer afresh: momentum lost.
-    assert _max_diff(runs["stock one process"], runs["uninterrupted"]) > 100 * TOLERANCE
+    assert largest_difference(runs["stock one process"], runs["uninterrupted"]) > 100 * TOLERANCE
 
 
 def test_a_kill_mid_save_resumes_from_the_last_complete_checkpoint(runs):
     assert "SIGKILL" in runs["kill"], runs["kill"]
     assert [name for name in runs["left"] if name.startswith("checkpoint")] == ["checkpoint-2"]
     assert "resuming from" in runs["killed log"] and "checkpoint-2" in runs["killed log"]
-    assert _max_diff(runs["killed"], runs["uninterrupted"]) < TOLERANCE
+    assert largest_difference(runs["killed"], runs["uninterrupted"]) < TOLERANCE

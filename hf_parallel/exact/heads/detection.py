@@ -166,25 +166,32 @@ class DetectionHead(LossHead):
         targets = BoxTargets.pack(labels["labels"])
         logits, boxes = outputs["logits"], outputs["pred_boxes"]
         rows = targets.class_labels.shape[0]
+        self._check_logits(logits, rows)
+        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
+        layers = self._layers(logits, boxes, labels.get(LOSS_CALL_KEY, {}), outputs)
+        lists = targets.for_model()
+        class_sums = logits.new_zeros(rows, dtype=torch.float32)
+        box_sums = logits.new_zeros(rows, dtype=torch.float32)
+        for layer_logits, layer_boxes in layers:
+            image, query, target = self._matched(layer_logits, layer_boxes, lists)
+            class_sums = class_sums + self._class_sums(layer_logits, layer_boxes, targets, image, query, target)
+            pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
+            box_sums = box_sums.index_add(0, image, pairs)
+        if self.eos_weight is None:
+            return (class_sums + box_sums).unsqueeze(-1), self._row_counts(targets)
+        return torch.stack([class_sums, box_sums], -1), self._row_counts(targets)
+
+    def _check_logits(self, logits: torch.Tensor, rows: int) -> None:
         classes = self.num_classes + (0 if self.eos_weight is None else 1)
         if logits.shape[:2] != (rows, self.queries) or logits.shape[-1] != classes:
             raise HeadMismatch(
                 f"{self.name}: logits of shape {tuple(logits.shape)} are not [{rows} images, {self.queries} queries, "
                 f"{classes} classes]."
             )
-        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
-        layers = [(logits, boxes), *self._auxiliary(labels.get(LOSS_CALL_KEY, {}))]
-        lists = targets.for_model()
-        class_sums = logits.new_zeros(rows, dtype=torch.float32)
-        box_sums = logits.new_zeros(rows, dtype=torch.float32)
-        for layer_logits, layer_boxes in layers:
-            image, query, target = self._matched(layer_logits, layer_boxes, lists)
-            class_sums = class_sums + self._class_sums(layer_logits, targets, image, query, target)
-            pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
-            box_sums = box_sums.index_add(0, image, pairs)
-        if self.eos_weight is None:
-            return (class_sums + box_sums).unsqueeze(-1), self._row_counts(targets)
-        return torch.stack([class_sums, box_sums], -1), self._row_counts(targets)
+
+    def _layers(self, logits, boxes, call: dict, outputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (logits, boxes) the loss matches and scores: the last decoder layer's, then the earlier ones'."""
+        return [(logits, boxes), *self._auxiliary(call)]
 
     def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
         """`[images, terms]` float64: the boxes, and for a softmax class term first the sum of its class weights."""
@@ -212,7 +219,7 @@ class DetectionHead(LossHead):
         device = logits.device
         return image.to(device), query.to(device), target.to(device)
 
-    def _class_sums(self, logits, targets: BoxTargets, image, query, target) -> torch.Tensor:
+    def _class_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
         """`[images]`: the class term's sum of each image (its weighted cross-entropy, or its focal loss)."""
         classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.long, device=logits.device)
         classes[image, query] = targets.class_labels[image, target]
@@ -260,27 +267,16 @@ class GroupedDetectionHead(DetectionHead):
         self.groups, self.class_weight = groups, class_weight
         self.match_options = {"group_detr": groups}
 
-    def row_terms(self, outputs, labels: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        targets = BoxTargets.pack(labels["labels"])
-        logits, boxes = outputs["logits"], outputs["pred_boxes"]
-        rows = targets.class_labels.shape[0]
+    def _check_logits(self, logits: torch.Tensor, rows: int) -> None:
+        # The queries: `groups` x `queries` in training, `queries` in evaluation.
         if logits.dim() != 3 or logits.shape[0] != rows or logits.shape[-1] != self.num_classes:
             raise HeadMismatch(
                 f"{self.name}: logits of shape {tuple(logits.shape)} are not [{rows} images, queries, "
                 f"{self.num_classes} classes]."
             )
-        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
-        call = labels.get(LOSS_CALL_KEY, {})
-        layers = [(logits, boxes), *self._auxiliary(call), self._proposals(call, outputs)]
-        lists = targets.for_model()
-        sums = logits.new_zeros(rows, dtype=torch.float32)
-        for layer_logits, layer_boxes in layers:
-            image, query, target = self._matched(layer_logits, layer_boxes, lists)
-            classes = self._quality_sums(layer_logits, layer_boxes, targets, image, query, target)
-            sums = sums + self.class_weight * classes.float()
-            pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
-            sums = sums.index_add(0, image, pairs)
-        return sums.unsqueeze(-1), self._row_counts(targets)
+
+    def _layers(self, logits, boxes, call: dict, outputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [*super()._layers(logits, boxes, call, outputs), self._proposals(call, outputs)]
 
     def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
         """`[images, 1]` float64: each image's boxes, once per query group."""
@@ -295,8 +291,8 @@ class GroupedDetectionHead(DetectionHead):
             raise HeadMismatch(f"{self.name}: the model gave no encoder proposals to its loss.")
         return classes, coords
 
-    def _quality_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
-        """`[images]`: the IoU-aware class term of each image, every query and class."""
+    def _class_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
+        """`[images]`: the IoU-aware class term of each image over every query and class, weighted."""
         dtype = logits.dtype
         probability = logits.sigmoid()
         positive = torch.zeros_like(logits)
@@ -308,7 +304,7 @@ class GroupedDetectionHead(DetectionHead):
         positive[image, query, classes] = quality
         negative[image, query, classes] = 1 - quality
         loss = -positive * probability.log() - negative * (1 - probability).log()
-        return loss.flatten(1).sum(-1)
+        return self.class_weight * loss.flatten(1).sum(-1).float()
 
 
 def _focal(logits: torch.Tensor, target: torch.Tensor, alpha: float, gamma: float = 2.0) -> torch.Tensor:
