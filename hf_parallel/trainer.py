@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 from typing import Any
@@ -88,7 +89,11 @@ class TrainerMixin:
     #: for a subclass that builds its own arguments (then they are kept, with hf_parallel's settings added).
     args_class: type | None = None
 
-    def __init__(self, model=None, args=None, *positional, **kwargs):
+    def __init__(self, *positional, **kwargs):
+        # Bound to the subclass's own signature: TRL's DPOTrainer and KTOTrainer take `ref_model` second and
+        # GRPOTrainer and RLOOTrainer `reward_funcs`, so `args` is not always the second parameter.
+        call = _bind_trainer_init(type(self), positional, kwargs)
+        model, args = call.arguments.get("model"), call.arguments.get("args")
         given = args
         if args is None and self.args_class is not None:
             args = self.args_class(output_dir="trainer_output")
@@ -104,8 +109,9 @@ class TrainerMixin:
         # A model sharded at load time: stock refuses to checkpoint its optimizer state; hf_parallel writes it
         # (saving.sharded), so stock's check is told the run saves the model only while it is made.
         keeps_state = args is not None and is_sharded_at_load(model) and not args.save_only_model
+        call.arguments.update(model=model, args=args)
         with temporarily(args, "save_only_model", True) if keeps_state else contextlib.nullcontext():
-            super().__init__(model, args, *positional, **kwargs)
+            super().__init__(*call.args[1:], **call.kwargs)  # args[0] is the placeholder bound to `self`
         if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
             self.args = args = with_hf_parallel_fields(self.args, None, like=given)
             check_launch(args)
@@ -473,6 +479,26 @@ class Seq2SeqTrainer(TrainerMixin, transformers.Seq2SeqTrainer):
                 with torch.no_grad(), self.compute_loss_context_manager():
                     self.compute_loss(model, inputs)
         return output
+
+
+def _bind_trainer_init(cls: type, positional: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """
+    A Trainer call bound to the first `__init__` after `TrainerMixin` in `cls`'s MRO that names both `model` and
+    `args` (a pass-through `__init__(*args, **kwargs)` between them is skipped), so that any subclass is built with
+    its own parameter order. Arguments its signature does not take are left for that `__init__` to refuse.
+    """
+    mro = cls.__mro__
+    for base in mro[mro.index(TrainerMixin) + 1 :]:
+        init = vars(base).get("__init__")
+        if init is None:
+            continue
+        signature = inspect.signature(init)
+        if {"model", "args"} <= signature.parameters.keys():
+            try:
+                return signature.bind_partial(None, *positional, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"{cls.__name__}(...): {error}") from None
+    raise TypeError(f"{cls.__name__}: no base after TrainerMixin takes `model` and `args`; put a Trainer class there.")
 
 
 def _returned(loss: torch.Tensor, outputs: Any, return_outputs: bool):

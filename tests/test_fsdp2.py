@@ -36,6 +36,7 @@ from transformers import LlamaForCausalLM
 
 from hf_parallel import ExactLoop, Trainer, TrainingArguments
 from hf_parallel.testing import spawn_cpu_ranks
+from tests.helpers.compare import assert_losses_close
 from tests.helpers.harness import SGD_STEP, Capture, record_hf_parallel_log, training_args
 from tests.helpers.heads import llama, lm_rows
 from tests.helpers.reference import sgd_reference, steps_of
@@ -246,8 +247,7 @@ def assert_equals_reference(result: dict, ref: dict, name: str, steps: list[int]
     """`result` logged the reference's loss at every step, held its parameters after `steps`, and evaluated alike."""
     assert result["rank_spread"] == 0.0, f"{name}: the ranks hold different parameters"
     assert len(result["losses"]) == len(ref["losses"]), name
-    for step, (loss, expected) in enumerate(zip(result["losses"], ref["losses"], strict=True)):
-        assert loss == pytest.approx(expected, rel=TOLERANCE), f"{name}: logged loss of step {step}"
+    assert_losses_close(result["losses"], ref["losses"], name, rel=TOLERANCE)
     for params, step in zip(result["params"], steps, strict=True):
         error = _update_error(params, ref, step)
         assert error <= TOLERANCE, f"{name}: parameters after step {step} off by {error:.2e} of the update"

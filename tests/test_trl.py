@@ -6,11 +6,14 @@ config class, its own loss and its own logs stay, next to the stock SFTTrainer's
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 import hf_parallel
 from hf_parallel import TrainerMixin
 from tests.helpers.heads import CASES, lm_rows
+from tests.helpers.trl_runs import CASES as TRL_CASES
+from tests.helpers.trl_runs import run_one_step
 
 # TRL (a test extra) and datasets are absent from some GPU images, where `benchmarks.gpu_check` collects every test
 # module: without them this module skips instead of failing the whole collection (pytest's exit 2).
@@ -56,3 +59,63 @@ def test_trl_keeps_its_config_and_its_own_loss(trainer_cls, tmp_path, hf_paralle
     assert [log.get("loss") for log in ours.state.log_history] == [log.get("loss") for log in stock.state.log_history]
     assert "entropy" in ours.state.log_history[0]
     assert any("SFTTrainer overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+
+
+# ---- Every trainer TRL exports, with the mixin first (tests/helpers/trl_runs.py builds them) ----
+
+
+def _parallel(name: str) -> type:
+    """`class ParallelXTrainer(TrainerMixin, trl.XTrainer): pass`, as docs/how-to/trainer-subclasses.md says."""
+    return type(f"Parallel{name}", (TrainerMixin, getattr(trl, name)), {})
+
+
+def _first_step(trainer) -> dict:
+    """The first step's logged values, less its wall time."""
+    return {key: value for key, value in trainer.state.log_history[0].items() if key != "step_time"}
+
+
+def test_every_trainer_trl_exports_is_covered():
+    exported = {
+        name
+        for name in dir(trl)
+        if isinstance(getattr(trl, name), type) and issubclass(getattr(trl, name), transformers.Trainer)
+    }
+    assert exported <= TRL_CASES.keys(), f"TRL exports trainers the test does not build: {exported - TRL_CASES.keys()}"
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["keywords", "positional"])
+@pytest.mark.parametrize("name", sorted(TRL_CASES))
+def test_every_trl_trainer_runs_its_first_step_as_stock(name, positional, tmp_path, hf_parallel_log):
+    case = TRL_CASES[name]
+    stock = run_one_step(trl, case, getattr(trl, name), str(tmp_path / "stock"))
+    ours = run_one_step(trl, case, _parallel(name), str(tmp_path / "ours"), positional=positional)
+    assert type(ours.args) is getattr(trl, case.config) and ours.args.exact_loss is True
+    # Each overrides compute_loss, so its own loss stays (said once), and one process gives stock's step to the bit.
+    assert any(f"{name} overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+    assert _first_step(ours) == _first_step(stock)
+    for (key, mine), theirs in zip(ours.model.state_dict().items(), stock.model.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), key
+    # The step moved the weights: a run that trained nothing would pass the comparisons above.
+    assert not all(
+        torch.equal(trained, initial)
+        for trained, initial in zip(ours.model.state_dict().values(), case.model(0).state_dict().values(), strict=True)
+    ), "the step left every weight where it started"
+
+
+class _PassThrough(TrainerMixin, trl.DPOTrainer):
+    """A user subclass with its own `__init__` that hands everything on."""
+
+    def __init__(self, *args, note: str = "", **kwargs):
+        self.note = note
+        super().__init__(*args, **kwargs)
+
+
+def test_a_pass_through_init_between_keeps_the_trainer_s_order(tmp_path):
+    case = TRL_CASES["DPOTrainer"]
+    trainer = run_one_step(trl, case, _PassThrough, str(tmp_path), positional=True)
+    assert isinstance(trainer.ref_model, torch.nn.Module) and trainer.args.exact_loss is True
+
+
+def test_arguments_the_trainer_does_not_take_are_named(tmp_path):
+    with pytest.raises(TypeError, match=r"ParallelDPOTrainer\(\.\.\.\): .*unknown_option"):
+        _parallel("DPOTrainer")(model=TRL_CASES["DPOTrainer"].model(0), unknown_option=1)

@@ -147,10 +147,41 @@ def test_the_block_restores_torch_and_does_not_nest():
             pass
         raise RuntimeError("boom")
     assert (torch.nn.DataParallel.__init__, vars(_functions.Broadcast)["forward"], comm.reduce_add) == originals
-    assert not hasattr(torch._C, "_scatter") or torch.cuda.is_available()
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="n_devices"), simulate_data_parallel(bad):
             pass
+
+
+# The C++ copies the emulation stands in for: a CUDA build of torch has all three, a CPU build only some.
+_COPIES = ("_broadcast_coalesced", "_scatter", "_gather")
+_ABSENT = object()
+
+
+def _copies() -> dict[str, object]:
+    return {name: vars(torch._C).get(name, _ABSENT) for name in _COPIES}
+
+
+@pytest.mark.parametrize("found", ["present", "absent"])
+def test_the_block_restores_torch_s_copies_as_it_found_them(found, monkeypatch):
+    # Both cases on either build: each copy set to a stand-in of its own (a CUDA build's), or removed (a CPU build's).
+    for name in _COPIES:
+        if found == "present":
+            monkeypatch.setattr(torch._C, name, object(), raising=False)
+        else:
+            monkeypatch.delattr(torch._C, name, raising=False)
+    before = _copies()
+    with simulate_data_parallel(2):
+        inside = _copies()
+    after = _copies()
+    assert all(inside[name] is not before[name] for name in _COPIES), "the block did not stand in for the copies"
+    assert all(after[name] is before[name] for name in _COPIES), {n: (before[n], after[n]) for n in _COPIES}
+
+
+def test_the_block_restores_this_build_s_copies():
+    before = _copies()
+    with pytest.raises(RuntimeError, match="boom"), simulate_data_parallel(2):
+        raise RuntimeError("boom")
+    assert all(_copies()[name] is before[name] for name in _COPIES)
 
 
 def test_devices_outside_the_emulation_are_refused():

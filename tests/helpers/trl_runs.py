@@ -1,0 +1,154 @@
+"""
+Every trainer TRL exports, built the way TRL's docs build them (a model, a config, a dataset of strings and a
+tokenizer), on a tiny Llama and a word-level tokenizer made in code, for one optimizer step on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+from tests.helpers.tiny import tiny
+
+WORDS = ["good", "bad", "movie", "day", "food", "was", "very", "it", "this", "so", "fun", "dull", "calm", "sad"]
+SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with padding, beginning and end tokens (TRL's trainers read all three)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def _config(**overrides) -> LlamaConfig:
+    return tiny(
+        LlamaConfig, vocab_size=len(SPECIALS + WORDS), pad_token_id=0, bos_token_id=2, eos_token_id=3, **overrides
+    )
+
+
+def causal_lm(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_config())
+
+
+def reward_model(seed: int = 0) -> LlamaForSequenceClassification:
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(_config(num_labels=1))
+
+
+def _sentences(n: int, seed: int, low: int, high: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) for _ in range(n)]
+
+
+def _rows(kind: str, n: int) -> list[dict]:
+    prompts, first, second = _sentences(n, 0, 2, 4), _sentences(n, 1, 1, 4), _sentences(n, 2, 1, 4)
+    if kind == "language_modeling":
+        return [{"text": f"{p} {c}"} for p, c in zip(prompts, first, strict=True)]
+    if kind == "preference":
+        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(prompts, first, second, strict=True)]
+    if kind == "implicit_preference":  # the reward trainer: the prompt inside each answer
+        return [{"chosen": f"{p} {c}", "rejected": f"{p} {r}"} for p, c, r in zip(prompts, first, second, strict=True)]
+    if kind == "unpaired_preference":
+        return [
+            {"prompt": p, "completion": c, "label": i % 2 == 0}
+            for i, (p, c) in enumerate(zip(prompts, first, strict=True))
+        ]
+    if kind == "prompt_completion":
+        return [{"prompt": p, "completion": c} for p, c in zip(prompts, first, strict=True)]
+    if kind == "prompt_only":
+        return [{"prompt": p} for p in prompts]
+    raise ValueError(f"unknown dataset kind {kind!r}")
+
+
+def word_count_reward(completions: list[str], **kwargs) -> list[float]:
+    """A reward function of the kind TRL's docs show: longer completions score higher."""
+    return [float(len(c.split())) for c in completions]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrlCase:
+    """One TRL trainer: its class and config names, the model it trains, its dataset, and what else it takes."""
+
+    trainer: str
+    config: str
+    dataset: str
+    model: Callable[[int], torch.nn.Module] = causal_lm
+    extra: Callable[[], dict[str, Any]] = dict  # the trainer's own arguments besides model/args/dataset
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # the config's own fields
+
+
+# Generation short and sampled from a fixed seed: two completions a prompt, four tokens each. RLOO's reference model
+# (beta > 0) is loaded again from the policy's name, which a model built from a config does not have.
+_GENERATES = {"num_generations": 2, "max_completion_length": 4, "per_device_train_batch_size": 2}
+
+CASES = {
+    case.trainer: case
+    for case in (
+        TrlCase("SFTTrainer", "SFTConfig", "language_modeling"),
+        TrlCase("DPOTrainer", "DPOConfig", "preference", extra=lambda: {"ref_model": causal_lm(1)}),
+        TrlCase("RewardTrainer", "RewardConfig", "implicit_preference", model=reward_model),
+        TrlCase("KTOTrainer", "KTOConfig", "unpaired_preference", extra=lambda: {"ref_model": causal_lm(1)}),
+        TrlCase(
+            "GRPOTrainer",
+            "GRPOConfig",
+            "prompt_only",
+            extra=lambda: {"reward_funcs": word_count_reward},
+            settings=_GENERATES,
+        ),  # fmt: skip
+        TrlCase(
+            "RLOOTrainer",
+            "RLOOConfig",
+            "prompt_only",
+            extra=lambda: {"reward_funcs": word_count_reward},
+            settings={**_GENERATES, "beta": 0.0},
+        ),  # fmt: skip
+        TrlCase(
+            "DistillationTrainer",
+            "DistillationConfig",
+            "prompt_completion",
+            extra=lambda: {"teacher_model": causal_lm(1)},
+            settings={"max_completion_length": 4},
+        ),  # fmt: skip
+    )
+}
+
+
+def run_one_step(trl, case: TrlCase, trainer_cls: type, output_dir: str, rows: int = 4, positional: bool = False):
+    """
+    Train `trainer_cls` (a TRL trainer, or one with hf_parallel's mixin first) for one step; the trainer. With
+    `positional`, the model, the arguments and whatever the trainer's signature puts between them (DPO's `ref_model`,
+    GRPO's `reward_funcs`) are passed by position, in the TRL trainer's order.
+    """
+    import datasets
+
+    config_cls = getattr(trl, case.config)
+    settings = {"per_device_train_batch_size": rows, **case.settings}
+    args = config_cls(
+        output_dir=output_dir, max_steps=1, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, learning_rate=1e-2, **settings,
+    )  # fmt: skip
+    named = {"model": case.model(0), "args": args, **case.extra()}
+    leading = []
+    if positional:
+        for name in list(inspect.signature(getattr(trl, case.trainer).__init__).parameters)[1:]:
+            if name not in named:
+                break
+            leading.append(named.pop(name))
+        assert not {"model", "args"} & named.keys(), f"{trainer_cls.__name__}: model and args are not leading"
+    train_dataset = datasets.Dataset.from_list(_rows(case.dataset, rows))
+    trainer = trainer_cls(*leading, train_dataset=train_dataset, processing_class=tokenizer(), **named)
+    trainer.train()
+    return trainer
