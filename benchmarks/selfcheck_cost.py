@@ -18,13 +18,13 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
+from hf_parallel.exact import ExactLoss, RunContext, count_step, micro_batch_loss
 
 
 def _micro_batch(exact: ExactLoss, model, batch: dict) -> float:
     start = time.perf_counter()
     head = exact.head(model, batch)
-    step = exact.count_step(head, [batch])
+    step = count_step(exact, head, [batch])
     loss, _ = micro_batch_loss(exact, model, head, batch, step, RunContext())
     loss.backward()
     return time.perf_counter() - start

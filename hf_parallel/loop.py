@@ -50,8 +50,11 @@ from .exact import (
     StepCounts,
     batch_device,
     caller_autocast,
+    count_step,
     epoch_end,
+    is_data_parallel,
     micro_batch_loss,
+    pick_engine,
     replica_autocast,
 )
 from .launch.validation import check_whole_number
@@ -202,6 +205,7 @@ class ExactLoop:
         """
         was_training = model.training
         model.eval()
+        self.run_on(model)
         padding = self._padding(dataloader, "the evaluation dataloader")
         stock: list[torch.Tensor] = []
         self.exact.start_evaluation(keep_outputs=False)
@@ -227,6 +231,15 @@ class ExactLoop:
         return float(self.exact.reduce_sum(mean) / self.num_processes if self.num_processes > 1 else mean)
 
     # ---- Shared ----
+    def run_on(self, model: nn.Module) -> None:
+        """The engine follows the model the loop is given: DataParallel replicas where it is an `nn.DataParallel`
+        wrapper in one process, else one process or the loop's ranks (`hf_parallel.exact.engine`)."""
+        data_parallel = self.num_processes == 1 and is_data_parallel(model)
+        if data_parallel != self.exact.engine.replicas:
+            self.exact.engine = pick_engine(
+                self.num_processes, reduce_sum=self.exact.reduce_sum, data_parallel=data_parallel
+            )
+
     def _padding(self, dataloader, name: str) -> LoopPadding:
         return LoopPadding(self.exact, dataloader, name, self.accelerator, self.process_index, self.num_processes)
 
@@ -306,10 +319,11 @@ class LoopStep:
 
     def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
         loop = self.loop
+        loop.run_on(model)
         self.batches = self._padding.mark(head, [dict(batch) for batch in self.batches], self._end)
         device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
-        return loop.exact.count_step(head, self.batches, device, main_input_name, model)
+        return count_step(loop.exact, head, self.batches, device, main_input_name, model)
 
     def _index_of(self, batch: dict) -> int:
         for index, own in enumerate(self.batches):

@@ -1,9 +1,9 @@
 """`Trainer`, `Seq2SeqTrainer` and `TrainerMixin` (hf_parallel for any Trainer subclass): their overrides only, each
 "not ours: super()" or a call into the room it serves (`hf_parallel.exact`, `data_parallel`, `saving`, `launch`, ...).
 
-A training step: `get_batch_samples` counts it (`exact.step.SteadyStep.count` once the first step's check has settled
-the head; the whole way before, `_whole_step_counts`), `training_step` and `compute_loss` compute each micro-batch's
-loss (`exact.step.SteadyStep.loss`, or `exact.micro_batch_loss` the whole way): docs/contributing.md traces it."""
+A training step takes the one step of `hf_parallel.exact.step`: `get_batch_samples` counts it (`count_step`) and hands
+stock the step's count as `num_items_in_batch`, `training_step` and `compute_loss` compute each micro-batch's loss
+(`micro_batch_loss`): docs/contributing.md traces it."""
 
 from __future__ import annotations
 
@@ -27,21 +27,19 @@ from .data_parallel import balanced_wrapper, with_exact_replicas
 from .engines.deepspeed import before_engine, deepspeed_version, sequence_shards
 from .engines.reshard import load_on_any_world_size
 from .exact import (
-    REAL_ROWS_KEY,
     Engine,
     ExactLoss,
     LossHead,
     RunContext,
-    SteadyStep,
     StepCounts,
     count_samples,
+    count_step,
     gather_samples,
     is_data_parallel,
     micro_batch_loss,
     pick_engine,
     pull_batches,
     replica_autocast,
-    steady_step,
     stock_compute_loss,
     stock_replica_precision,
     stock_training_step,
@@ -132,10 +130,14 @@ class TrainerMixin:
             router_balance=self.args.router_balance,
             gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
-        #: The run's engine and its steady step (`hf_parallel.exact.step`): picked at the first step of `train()`;
-        #: the steady step once the check of the head has settled.
+        #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
+        #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock
+        #: code gets as `num_items_in_batch`.
         self._engine: Engine | None = None
-        self._steady: SteadyStep | None = None
+        self._run_context: RunContext | None = None
+        self._counted_step: StepCounts | None = None
+        #: The run's head once no check can change it (then no step asks the head cache again).
+        self._settled_head: LossHead | None = None
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(
                 "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
@@ -177,53 +179,61 @@ class TrainerMixin:
         engine = self._engine or self._pick_engine()
         reads_end = engine.pads_epoch_end or engine.shards_sequence
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state, reads_end)
+        self._counted_step = None
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
-        if self._steady is not None and end is None:
-            try:
-                return batch_samples, self._steady.count(batch_samples, device)
-            except KeyError:  # a batch without the head's labels: the whole way warns and gives stock's count
-                pass
-        return batch_samples, self._whole_step_counts(batch_samples, end, device)
+        self._counted_step = self._count_step(batch_samples, end, device)
+        if self._counted_step is None:  # the stock loss, warned once naming why
+            return batch_samples, self._get_num_items_in_batch(batch_samples, device)
+        return batch_samples, self._counted_step.total
+
+    def _count_step(self, batch_samples: list[dict], end, device: torch.device) -> StepCounts | None:
+        """The counts of a step (`count_step`), or None where the stock loss trains it."""
+        engine = self._engine
+        if engine.shards_sequence:
+            sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
+        head = self._settled_head or self._exact_head(batch_samples[0])
+        if head is None or not all(head.has_labels(batch) for batch in batch_samples):
+            self.exact.usable(head, batch_samples)  # warns where a batch lacks the head's labels
+            return None
+        if end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
+            # A user loss sees whole batches, padding too.
+            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
+            data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
+            self.exact.mark_padding(head, batch_samples, end, data_rank, pads)
+        model, name, settled = self.model_wrapped, self._run_context.main_input_name, self._settled_head is not None
+        step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
+        if step.settled:
+            self._settled_head = head
+        return step
 
     def _pick_engine(self) -> Engine:
-        """The run's engine (`hf_parallel.exact.engine`), picked once, at the first step."""
+        """The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share, picked once per run."""
         accelerator, exact = self.accelerator, self.exact
         sequence = self.get_sp_size() if self.is_deepspeed_enabled else 1
         stage = accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        # The Trainer wraps the model in DataParallel itself when it sees several GPUs in one process (also for an
+        # evaluation that runs before the model was wrapped for training).
+        data_parallel = is_data_parallel(self.model_wrapped) or (
+            self.args.n_gpu > 1 and not getattr(self.model, "is_loaded_in_8bit", False)
+        )
         self._engine = exact.engine = pick_engine(
             exact.num_processes,
             reduce_sum=exact.reduce_sum,
-            data_parallel=is_data_parallel(self.model_wrapped),
+            data_parallel=data_parallel,
             deepspeed_stage=stage,
             sequence_parallel=sequence,
             deepspeed_version=deepspeed_version() if sequence > 1 else None,
             tensor_parallel=1 if self.is_deepspeed_enabled else self.get_tp_size(),
             name=None if self.is_deepspeed_enabled else str(accelerator.distributed_type.value),
         )
+        self._run_context = RunContext(
+            owner=self.model,
+            loss_func=self.compute_loss_func,
+            autocast_dtype=replica_autocast(accelerator.mixed_precision),
+            main_input_name=self._main_input_name(),
+        )
         return self._engine
-
-    def _whole_step_counts(self, batch_samples: list[dict], end, device: torch.device) -> Any:
-        """A step's counts the whole way (the first steps, an epoch's padded last step, the heads and engines the
-        steady step does not take); the steady step is set up once the check of the head has settled."""
-        engine = self._engine
-        if engine.shards_sequence:
-            sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
-        head = self._exact_head(batch_samples[0])
-        if not self.exact.usable(head, batch_samples):
-            return self._get_num_items_in_batch(batch_samples, device)
-        if self.compute_loss_func is None and engine.pads_epoch_end:  # a user loss sees whole batches, padding too
-            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
-            data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
-            self.exact.mark_padding(head, batch_samples, end, data_rank, pads)
-        model = self.model_wrapped  # what the micro-batches run through (a MoE router's first pass)
-        counts = self.exact.count_step(head, batch_samples, device, self._main_input_name(), model)
-        if self._steady is None:
-            settled = self.exact.settled(self.model, self.compute_loss_func)
-            user_loss = self.compute_loss_func is not None
-            unwrap = self.accelerator.unwrap_model
-            self._steady = steady_step(engine, head, settled, user_loss, self._main_input_name(), unwrap)
-        return counts
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")
@@ -231,12 +241,13 @@ class TrainerMixin:
     def training_step(
         self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch=None
     ) -> torch.Tensor:
-        exact = isinstance(num_items_in_batch, StepCounts)
-        if not exact or (self._steady is None and self._exact_head(inputs) is None):
+        # The step whose count `num_items_in_batch` is (the tensor get_batch_samples handed out), or stock's.
+        step = self._counted_step
+        step = step if step is not None and num_items_in_batch is step.total else None
+        if step is None or (not step.settled and self._exact_head(inputs) is None):
             # Stock's, also for the rest of a step whose first micro-batch fell back (the model's own loss is not
             # one hf_parallel can recompute): that step was counted as exact.
-            count = StepCounts.as_stock(num_items_in_batch)
-            return stock_training_step(self, super().training_step, model, inputs, count)
+            return stock_training_step(self, super().training_step, model, inputs, num_items_in_batch)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
         with temporarily(self, "loss_is_scaled_for_ga", True):
@@ -249,25 +260,21 @@ class TrainerMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        if self._steady is not None and isinstance(num_items_in_batch, StepCounts) and REAL_ROWS_KEY not in inputs:
-            return _returned(*self._steady.loss(model, inputs, num_items_in_batch), return_outputs)
-        head = self._exact_head(inputs)
+        step = self._counted_step
+        step = step if step is not None and num_items_in_batch is step.total else None
+        head = step.head if step is not None and step.settled else self._exact_head(inputs)
         if head is None or not head.has_labels(inputs):
-            count = StepCounts.as_stock(num_items_in_batch)
+            count = num_items_in_batch
             with stock_replica_precision(model, self.accelerator.mixed_precision):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
-        step = num_items_in_batch if isinstance(num_items_in_batch, StepCounts) else None
         if step is None and self.exact.evaluating:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
             inputs = self.exact.mark_evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
-        context = RunContext(
-            owner=self.model,
-            loss_func=self.compute_loss_func,
-            autocast_dtype=replica_autocast(self.accelerator.mixed_precision),
-            main_input_name=self._main_input_name(),
-        )
+        if self._run_context is None:  # compute_loss called outside train() and evaluate()
+            self._pick_engine()
+        context = self._run_context
         loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
         if step is not None:
             loss = self.exact.engine.valued(loss)
@@ -341,7 +348,8 @@ class TrainerMixin:
     ):
         check_not_empty(self.train_dataset, "train_dataset")
         self._check_engine()
-        self._engine = self._steady = None  # picked again at the first step: the model may be another (model_init)
+        # Picked again at the first step: the model may be another (model_init).
+        self._engine = self._run_context = self._counted_step = self._settled_head = None
         # The newest complete checkpoint (torn ones passed over, warned), a torn one given by path refused, and another
         # global batch than the checkpoint's warned: before anything is loaded.
         resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint, data_parallel_processes(self))

@@ -193,11 +193,11 @@ def test_advisor_measures_after_the_exact_loss_check_settles(monkeypatch, tmp_pa
     fake = FakeCuda(monkeypatch, [3 * 2**20, 2**20])
     args = training_args(tmp_path, dp_devices=2, per_device_train_batch_size=4)
     advisor = Gpu0BszAdvisorCallback(after_steps=1, exact=exact)
-    exact.settle(candidates, model, undecided, None)  # step 1: no comparison possible, checked again at step 2
+    exact.settle(candidates, model, undecided)  # step 1: no comparison possible, checked again at step 2
     assert not exact.checks_settled
     _steps(advisor, args, 1, model=model)
     assert advisor.measured is None and fake.resets == []  # step 2 carries the check: not measured
-    exact.settle(candidates, model, decided, None)  # step 2: decided
+    exact.settle(candidates, model, decided)  # step 2: decided
     assert exact.checks_settled
     _steps(advisor, args, 2, model=model, first=2)
     assert advisor.measured is None and fake.resets == [0, 1]  # the peaks of steps 1 and 2 are dropped

@@ -40,7 +40,8 @@ C its own way (`heads`); a head takes one route (`heads.Route`), set in one plac
 | `USER_LOSS` | any head, with the Trainer's `compute_loss_func` | the user's loss, given C; the head counts |
 
 No head (a model whose loss cannot be recomputed, or a Trainer that overrides `compute_loss`): the stock loss, with
-one warning. The path of one micro-batch, the check and how to add a head family: `docs/contributing.md`.
+one warning. The one step every run takes (`step`: count, per-micro-batch loss, reduction), the check and how to add a
+head family or an engine: `docs/contributing.md`.
 """
 
 from .check import MAX_CHECKS, ModelLossCheck
@@ -48,7 +49,6 @@ from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import ExactLoss
 from .engine import Engine, pick_engine
 from .fallback import stock_compute_loss, stock_training_step
-from .forward import RunContext, micro_batch_loss
 from .heads import (
     IGNORE_INDEX,
     CrossEntropyHead,
@@ -60,6 +60,7 @@ from .heads import (
     routed,
     token_losses,
 )
+from .heads.base import sequence_length
 from .heads.contrastive import rows_of
 from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, real_rows
 from .replicas import (
@@ -71,9 +72,9 @@ from .replicas import (
     stock_replica_precision,
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
-from .step import SteadyStep, pull_batches, steady_step
+from .step import RunContext, StepCounts, count_step, micro_batch_loss, pull_batches
 from .streams import count_samples, gather_samples
-from .terms import EvalTotals, StepCounts, Terms, batch_device, sequence_length
+from .terms import EvalTotals, Terms, batch_device
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -96,12 +97,12 @@ __all__ = [
     "Route",
     "RunContext",
     "SamplerPadding",
-    "SteadyStep",
     "StepCounts",
     "Terms",
     "UnsupportedHead",
     "batch_device",
     "caller_autocast",
+    "count_step",
     "candidate_heads",
     "count_samples",
     "epoch_end",
@@ -118,7 +119,6 @@ __all__ = [
     "routed",
     "rows_of",
     "sequence_length",
-    "steady_step",
     "stock_compute_loss",
     "stock_replica_precision",
     "stock_training_step",

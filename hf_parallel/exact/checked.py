@@ -1,6 +1,6 @@
 """
 The first forward of a model's head, checked against the model's own loss: a piece that wraps the plain forward of
-`hf_parallel.exact.forward`, so that no other forward carries the check.
+`hf_parallel.exact.step`, so that no other forward carries the check.
 
 It runs the plain forward with the labels kept in the model's inputs, and, where the model's own loss could be the
 exact one (`can_use_model_loss`), gives it a probe count N = 2C + 1/2 as `num_items_in_batch` (no count of items, and
@@ -20,14 +20,15 @@ import torch
 
 from .compare import ReplicaCheck, probe_count, replica_check, takes_gradient_from_loss
 from .heads import HeadMismatch, LossHead, Route
-from .terms import Terms, batch_device, model_labels, sample_terms, sequence_length
+from .heads.base import sequence_length
+from .terms import Terms, batch_device
 
 __all__ = ["CheckedForward", "check_terms"]
 
 
 class CheckedForward:
     """
-    The checked first forward: `plain` (a plain forward, `hf_parallel.exact.forward`) run with the labels in, and the
+    The checked first forward: `plain` (a plain forward, `hf_parallel.exact.step`) run with the labels in, and the
     `candidates` compared with the model's own loss.
 
     Args:
@@ -44,7 +45,7 @@ class CheckedForward:
         head = plain.head
         count = None
         if self.probe and head.route is not Route.MODEL_LOSS:
-            targets = model_labels(labels)
+            targets = plain.targets(labels)
             items = head.count(targets, sequence_length(inputs, plain.context.main_input_name)).sum()
             count = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(torch.is_grad_enabled())
         outputs, labels, count = plain.forward(run, inputs, labels, count=count, with_labels=True)
@@ -59,20 +60,22 @@ class CheckedForward:
         except HeadMismatch:
             terms = Terms()  # the check rules the head out (`replica_check`)
         given = count if self.probe and head.route is not Route.MODEL_LOSS else None
-        check = check_terms(plain.exact, self.candidates, outputs, labels, inputs, terms, given, from_loss)
+        check = check_terms(plain, self.candidates, outputs, labels, inputs, terms, given, from_loss)
         return terms._replace(check=check), plain.kept(outputs)
 
 
-def check_terms(exact, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
+def check_terms(plain, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
     """
     In a checked forward (in a DataParallel replica: for its rows), what it says of `candidates` (`replica_check`),
     `terms` holding the first candidate's; the others computed without autograd `from_loss` (see
     `takes_gradient_from_loss`).
     """
 
+    exact = plain.exact
+
     def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad() if from_loss else contextlib.nullcontext():
-            return sample_terms(head, outputs, dict(labels), inputs, exact.evaluating)
+            return plain.sample_terms(head, outputs, labels, inputs)
 
     known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
     decoder = exact.check.decoder_vote(labels)

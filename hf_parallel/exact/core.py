@@ -1,8 +1,8 @@
 """
 `ExactLoss`: the state of a run's exact loss, apart from the Trainer that calls it: the head of each model (cached,
 with one warning per reason when it falls back to the stock loss), the check of that head against the model's own
-loss (`hf_parallel.exact.check`), the item counts of each optimizer step, the loss of a micro-batch from its terms,
-and the evaluation totals. `hf_parallel.exact.forward.micro_batch_loss` is the entry that uses it.
+loss (`hf_parallel.exact.check`), the run's engine, and the evaluation totals. The one step of `hf_parallel.exact.step`
+(`count_step`, `micro_batch_loss`) reads and updates it.
 
 For one optimizer step made of micro-batches m on devices d, the loss to back-propagate is S_md / C, where S_md is
 the micro-batch's loss **sum** and C the item **count** of the whole step (all micro-batches, all ranks), counted
@@ -12,7 +12,6 @@ S and C up over the whole set and divides once.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,21 +25,11 @@ from .engine import pick_engine
 from .fallback import FALLBACK_NOTE
 from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
-from .remainder import (
-    REAL_ROWS_KEY,
-    TARGET_KEYS,
-    EpochEnd,
-    epoch_end,
-    first_rows,
-    mark_padding,
-    mask_padding,
-    sample_ids_of,
-)
-from .replicas import is_data_parallel
+from .remainder import EpochEnd, epoch_end, mark_padding
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, counting_head, resolve_head
-from .terms import EvalTotals, StepCounts, Terms, chosen_terms, sequence_length
+from .terms import EvalTotals, Terms, chosen_terms
 
-__all__ = ["ExactLoss", "padded_count"]
+__all__ = ["ExactLoss"]
 
 
 logger = logging.get_logger("hf_parallel.exact")
@@ -117,13 +106,10 @@ class ExactLoss:
         self.coupled: dict[tuple, dict] = {}
         #: The check of each model's head against the model's own loss.
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
-        # The last step's counts and micro-batches (the check may change the head, then the count), and the counts
-        # that replace those of a step the check recounted (`current_counts`).
-        # The model by weak reference: a finished run's wrapper (DDP's) must not outlive it here.
-        self._counted: tuple[StepCounts, list[dict], torch.device | None, str, weakref.ref | None] | None = None
-        self._recounted: tuple[StepCounts, StepCounts] | None = None
         self._warned: set[str] = set()
         self._eval_totals: EvalTotals | None = None
+        #: Whether an evaluation is adding up its totals (between `start_evaluation` and `finish_evaluation`).
+        self.evaluating = False
         #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
         self.outputs_wanted = True
 
@@ -152,7 +138,7 @@ class ExactLoss:
         """
         if not self.enabled:
             return None
-        key = self._key(model, loss_func)
+        key = self.key(model, loss_func)
         cached = self._heads.get(key)
         if cached is not None and cached[0] is model:  # the model itself, not a later one reusing its id
             return cached[1]
@@ -168,7 +154,7 @@ class ExactLoss:
             head = None
         if head is not None and loss_func is not None:
             head = routed(head, Route.USER_LOSS)  # the head counts the items; the user's function is the loss
-        self._heads[self._key(model, loss_func)] = (model, head)  # problem_type may be settled now
+        self._heads[self.key(model, loss_func)] = (model, head)  # problem_type may be settled now
         return head
 
     @property
@@ -177,7 +163,7 @@ class ExactLoss:
         Whether the check against the model's own loss (`ModelLossCheck`) is decided for every head chosen so far, so
         that no later forward carries it (a checked forward keeps the labels in the model's inputs and computes the
         candidate heads too). True before any head is chosen and for heads that need no check (the stock loss, a
-        `compute_loss_func`'s head: `_key(...)[2]`).
+        `compute_loss_func`'s head: `key(...)[2]`).
         """
         return all(head is None or key[2] or self.check.decided(key) for key, (_, head) in self._heads.items())
 
@@ -186,15 +172,16 @@ class ExactLoss:
         Whether the head of `model` is chosen for good: cached, and either the stock loss, a `compute_loss_func`'s
         head (its own judge), or a head whose check against the model's own loss ran and is decided.
         """
-        key = self._key(model, loss_func)
+        key = self.key(model, loss_func)
         cached = self._heads.get(key)
         if cached is None or cached[0] is not model:
             return False
-        return cached[1] is None or key[2] or self.check.concluded(self._key(model, None))
+        return cached[1] is None or key[2] or self.check.concluded(self.key(model, None))
 
     @staticmethod
-    def _key(model: nn.Module, loss_func: Callable | None) -> tuple:
-        # Asked twice a micro-batch, keyed on what can change: the model (model_init), a classifier's problem_type.
+    def key(model: nn.Module, loss_func: Callable | None = None) -> tuple:
+        """What the head of `model` is cached under: the model (model_init may make another), a classifier's
+        problem_type (settled at its first labels), and whether a `compute_loss_func` computes the loss."""
         return (id(model), getattr(getattr(model, "config", None), "problem_type", None), loss_func is not None)
 
     def _resolve(self, model, batch, blocked, loss_func, loss_func_shifts) -> LossHead:
@@ -241,41 +228,6 @@ class ExactLoss:
         self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)
         return inputs
 
-    # ---- Training: count the step, then each micro-batch's S / C ----
-    def count_step(
-        self,
-        head: LossHead,
-        batches: list[dict],
-        device: torch.device | None = None,
-        main_input_name="input_ids",
-        model: nn.Module | None = None,
-    ) -> StepCounts:
-        """
-        The item counts of a whole optimizer step (all `batches` of this rank, summed over ranks). With `model` (what
-        the micro-batches run through) and a MoE router under gradient accumulation, also the router statistics of the
-        whole step (`router_balance="step"`: a forward of each micro-batch without gradient).
-        """
-        counts = sum(padded_count(head, batch, main_input_name).to(device) for batch in batches)
-        router = None
-        if model is not None and head.router is not None and len(batches) > 1 and self.router_balance == "step":
-            forward = self.unwrap(model) if is_data_parallel(model) else model  # a DataParallel's: on one device
-            cuda = [counts.device.index or 0] if counts.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda):  # the training forwards draw what they would have drawn
-                router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
-            router = self.engine.add_counts(router.to(counts.device))
-        # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
-        # scales its S / C by the engine's factor (the world size: the sum over ranks of S_r / C is the exact loss).
-        step = StepCounts(self.engine.add_counts(counts), self.engine.gradient_factor, len(batches), router)
-        self._counted = (step, batches, device, main_input_name, None if model is None else weakref.ref(model))
-        self._recounted = None
-        return step
-
-    def current_counts(self, step: StepCounts | None) -> StepCounts | None:
-        """The counts of `step` as they are now: recounted where its first micro-batch's check changed the head."""
-        if step is not None and self._recounted is not None and self._recounted[0] is step:
-            return self._recounted[1]
-        return step
-
     def mark_padding(
         self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
     ) -> None:
@@ -283,18 +235,10 @@ class ExactLoss:
         if self.num_processes > 1:
             mark_padding(head, batches, end, process_index, pads, self.warn_once)
 
-    def reduce(self, head: LossHead, terms: Terms, step: StepCounts | None) -> torch.Tensor:
-        """
-        The loss from `terms` (one forward's, or every replica's gathered): S / C of the step in training (`step`
-        given), S / C of the batch otherwise, S and C then added to the evaluation totals.
-        """
-        if terms.user_loss is not None:
-            # One value per replica under DataParallel (each divided by the whole count already): their sum.
-            return terms.user_loss.sum() * (step.scale if step is not None else 1)
+    def add_to_evaluation(self, head: LossHead, terms: Terms) -> torch.Tensor:
+        """Add one evaluation forward's S and C (every replica's gathered) to the totals of the set; this batch's S /
+        C (and router term), as the loss of the batch."""
         row_sums, row_counts = terms.sums, terms.counts
-        if step is not None:
-            loss = head.combine(row_sums.sum(0), step.counts) * step.scale
-            return loss if terms.router is None else loss + self.router_loss(head, terms.router.sum(0), step)
         if self._eval_totals is not None:
             if head.route is Route.MODEL_LOSS:
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
@@ -314,25 +258,15 @@ class ExactLoss:
         loss = head.combine(row_sums.sum(0), row_counts.sum(0))
         return loss if terms.router is None else loss + head.router.loss(terms.router.sum(0))
 
-    def router_loss(self, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
-        """
-        A MoE model's router term of one micro-batch in training (`hf_parallel.exact.heads.router`): with the step's
-        router statistics (`router_balance="step"`), this micro-batch's share of the whole step's term; otherwise
-        over the micro-batch of every replica and rank (T and n added over ranks: one collective), scaled like the
-        head's sums, and averaged over the step's micro-batches (warned once).
-        """
-        if step.router is not None:
-            return head.router.loss(own, step.router) * step.scale
-        everyone = self.engine.add_counts(head.router.shared(own)) if self.num_processes > 1 else None
-        if step.micro_batches > 1:
-            self.warn_once(
-                "exact_loss: the router auxiliary loss of a mixture-of-experts model is taken over each micro-batch "
-                f"of every device, and averaged over the {step.micro_batches} micro-batches of a step "
-                "(router_balance='micro_batch'; stock adds them up). The cross-entropy is exact over the whole step. "
-                "router_balance='step' (the default) gives the router loss of one forward over the whole step, at "
-                "the cost of one more forward without gradient per micro-batch."
-            )
-        return head.router.loss(own, everyone) * (step.scale / step.micro_batches)
+    def add_evaluation_loss(self, head: LossHead, loss: torch.Tensor) -> None:
+        """Add the loss of one whole evaluation batch over every device (a loss over a batch's rows, not a sum over
+        them: `hf_parallel.exact.coupled`) to the totals, whose value is then the mean over batches."""
+        if self._eval_totals is not None:
+            self._eval_totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
+
+    def forget_head(self, model: nn.Module) -> None:
+        """The stock loss for `model` from now on (a check found its loss is not the head's; the caller warns)."""
+        self._heads[self.key(model)] = (model, None)
 
     def sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""
@@ -345,21 +279,22 @@ class ExactLoss:
     # ---- The check of the head against the model's own loss (hf_parallel.exact.check) ----
     def pending_check(self, head: LossHead | None, model: nn.Module, inputs: dict) -> tuple[LossHead, ...] | None:
         """The candidate heads the forward of `inputs` checks `model`'s head with, or None (see `ModelLossCheck`)."""
-        return self.check.pending(head, self._key(model, None), inputs)
+        return self.check.pending(head, self.key(model, None), inputs)
 
     def watching_decoder(self, candidates: tuple[LossHead, ...] | None, model: nn.Module, inputs: dict):
         """Around a checked forward: what the decoder of `model` (out of its wrappers) is given."""
         return self.check.watching_decoder(candidates, self.unwrap(model) if candidates else model, inputs)
 
     def settle(
-        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: Terms, step: StepCounts | None
+        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: Terms
     ) -> tuple[LossHead | None, Terms]:
         """
         Decide from the gathered check of every replica and rank: the head to compute this micro-batch's loss with and
         its terms (the chosen candidate's; in training the sums to back-propagate), or None for the stock loss
-        (warned once). The choice is cached for `model`; a step counted with the head the check replaced is recounted.
+        (warned once). The choice is cached for `model`; the step was counted for every candidate up front
+        (`count_step`), so its count for the chosen one is there (`StepCounts.for_head`).
         """
-        key, name = self._key(model, None), type(self.unwrap(model)).__name__
+        key, name = self.key(model, None), type(self.unwrap(model)).__name__
         settled = self.check.settle(candidates, key, name, terms.check)
         if settled.head is None:
             self._heads[key] = (model, None)
@@ -371,44 +306,19 @@ class ExactLoss:
         if settled.changed:
             self._heads[key] = (model, settled.head)
             logger.info(f"exact_loss: {name}'s {settled.why} {settled.head}; using it.")
-            counted = self._counted
-            if step is not None and counted is not None and counted[0] is self.current_counts(step):
-                # Counted with the head the check replaced: count again (every rank does, as all decided alike). The
-                # caller keeps passing `step`: `current_counts` gives it the new counts, nothing is changed in place.
-                counted_model = None if counted[4] is None else counted[4]()
-                self._recounted = (step, self.count_step(settled.head, *counted[1:4], counted_model))
         return settled.head, terms
 
     # ---- Evaluation: sum of S / sum of C over the whole set ----
-    @property
-    def evaluating(self) -> bool:
-        """Whether an evaluation is adding up its totals (between `start_evaluation` and `finish_evaluation`)."""
-        return self._eval_totals is not None
-
     def start_evaluation(self, keep_outputs: bool = True) -> None:
         """Start adding up S and C of every evaluation batch; `keep_outputs=False` when only the loss is wanted."""
         self._eval_totals = EvalTotals() if self.enabled else None
+        self.evaluating = self._eval_totals is not None
         self.outputs_wanted = keep_outputs
 
     def finish_evaluation(self) -> float | None:
         """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
         totals, self._eval_totals = self._eval_totals, None
-        self.outputs_wanted = True
+        self.evaluating, self.outputs_wanted = False, True
         if totals is not None and self.engine.data_replicas > 1:
             totals.add_over(self.engine.add_counts)  # each rank's own rows (see `reduce`), each batch's once
         return totals.value() if totals is not None else None
-
-
-def padded_count(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
-    """A batch's item counts per term, the padding rows marked in it (`REAL_ROWS_KEY`) left out."""
-    seq_len = sequence_length(batch, main_input_name)
-    real = batch.get(REAL_ROWS_KEY)
-    if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
-        return head.count(batch, seq_len)
-    # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
-    sample_ids = sample_ids_of(head, batch)
-    if head.ignore_index_items:
-        # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
-        # labels counts as this does.
-        return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)
-    return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)

@@ -25,11 +25,11 @@ each rank's), and the loss recomputed from the embeddings must equal it. A contr
 (an unknown variant) falls back to the stock loss with a warning naming both values.
 
 ```python
-from hf_parallel.exact import ExactLoss, RunContext, micro_batch_loss
+from hf_parallel.exact import ExactLoss, RunContext, count_step, micro_batch_loss
 
 exact = ExactLoss()
 head = exact.head(clip_model, batch)  # ContrastiveHead(name='contrastive/clip')
-step = exact.count_step(head, [batch])
+step = count_step(exact, head, [batch])
 loss, _ = micro_batch_loss(exact, clip_model, head, batch, step, RunContext())  # what one device gives on all rows
 ```
 """
@@ -46,8 +46,7 @@ from torch import nn
 from .compare import tolerance
 from .heads.contrastive import ContrastiveHead
 from .remainder import REAL_ROWS_KEY
-from .replicas import is_data_parallel, run_in_replicas
-from .terms import StepCounts
+from .replicas import run_in_replicas
 
 __all__ = ["CONTRASTIVE_NEGATIVES", "all_gather_rows", "contrastive_loss"]
 
@@ -61,7 +60,7 @@ class _Cache:
     """The first pass of a step under gradient accumulation: the gradient of the whole step's loss with respect to
     each micro-batch's embeddings and to the loss's parameters, the loss, and each micro-batch's random state."""
 
-    step: StepCounts
+    step: Any  # the StepCounts of `hf_parallel.exact.step`
     batches: list[dict]
     gradients: list[tuple[torch.Tensor, torch.Tensor]]
     parameter_gradients: list[torch.Tensor]
@@ -100,7 +99,7 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
     the outputs (the two embeddings of this forward's rows) when `return_outputs`.
     """
     owner = model if context.owner is None else context.owner
-    key = exact._key(owner, None)
+    key = exact.key(owner)
     source = exact.unwrap(owner)
     state = exact.coupled.setdefault(key, {"checked": False, "cache": None})
     batch, real = _model_inputs(inputs)
@@ -127,7 +126,7 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
         # fill the last batch dropped); every rank adds the same loss, once.
         text_all, other_all = _gathered(exact, text.detach(), other.detach())
         loss = head.variant.loss(source, text_all, other_all)
-        exact._eval_totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
+        exact.add_evaluation_loss(head, loss)
         return loss, _outputs(head, text, other, return_outputs)
     world = exact.num_processes
     loss = head.variant.loss(source, *(_everyones(part, world) for part in (text, other)))
@@ -153,7 +152,7 @@ def _model_inputs(inputs: dict) -> tuple[dict, int | None]:
 def _forward(exact, model, head, batch, context, check: bool, source) -> tuple[torch.Tensor, ...]:
     """The two embeddings of `batch` (gathered from the replicas under DataParallel) and, where `check`, each
     replica's own loss and recomputed one."""
-    if is_data_parallel(model):
+    if exact.engine.replicas:
         return run_in_replicas(model, _Embed(head, check), batch, {}, context.autocast_dtype)
     return _Embed(head, check, source)(model, batch, {})
 
@@ -174,7 +173,7 @@ def _verdict(exact, owner, head, own: torch.Tensor, recomputed: torch.Tensor, st
         return True
     name = type(exact.unwrap(owner)).__name__
     replicas = max(float(votes[3]), 1.0)
-    exact._heads[exact._key(owner, None)] = (owner, None)
+    exact.forget_head(owner)
     exact.warn_fallback(
         f"{name}'s own contrastive loss ({float(votes[1]) / replicas:.6g}) is not the {head.variant.name} loss "
         f"recomputed from its {head.variant.keys[0]} and {head.variant.keys[1]} ({float(votes[2]) / replicas:.6g}): "
@@ -263,10 +262,9 @@ def _equal(own: Any, given: torch.Tensor) -> bool:
 def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cache | None:
     """Embed every micro-batch of the step without gradient, then the whole step's loss and its gradients (None: the
     check fell back to the stock loss)."""
-    counted = exact._counted
-    if counted is None or counted[0] is not step:
-        raise RuntimeError("contrastive loss: the step's micro-batches were not counted (ExactLoss.count_step).")
-    batches = counted[1]
+    batches = step.batches
+    if not batches:
+        raise RuntimeError("contrastive loss: the step's micro-batches were not counted (`count_step`).")
     random_states, texts, others = [], [], []
     for batch in batches:
         random_states.append(_random_state())

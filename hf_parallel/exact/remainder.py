@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from .heads import IGNORE_INDEX, REAL_ROWS_KEY
+from .heads.base import packed_sample_ids, sample_ids_of
 from .heads.contrastive import rows_of
 from .streams import count_samples, stream_remainder
 
@@ -117,25 +118,6 @@ def mask_padding(labels: dict, keys: tuple[str, ...], real: int, sample_ids: tor
 def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
     """`[rows, 1]`: 1 for the first `real` rows, 0 for the padding after them."""
     return (torch.arange(rows, device=device) < real).unsqueeze(-1)
-
-
-def packed_sample_ids(batch: dict) -> torch.Tensor | None:
-    """
-    For a batch of one row with `position_ids` (a packed row of several sequences, restarting at 0 at each), the
-    sample index of each position, `[positions]`; None for any other batch (there a row is a sample).
-    """
-    position_ids = batch.get("position_ids")
-    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return None
-    # Without reading how many times the positions restart (a device sync per micro-batch): a row that starts once
-    # is one sequence, sample 0 throughout (positions before its start, left padding, count as sample 0 too).
-    return (position_ids[0].eq(0).cumsum(0) - 1).clamp(min=0)
-
-
-def sample_ids_of(head, batch: dict) -> torch.Tensor | None:
-    """The sample of each position of a packed row (see `packed_sample_ids`); None for a head that is not per position
-    (only those are packed: several sequences in one row)."""
-    return packed_sample_ids(batch) if head.per_position else None
 
 
 def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> int:

@@ -56,6 +56,7 @@ __all__ = [
     "AUTOCAST_DTYPES",
     "ReplicaStep",
     "Reporting",
+    "forward_in_replicas",
     "gather_reports",
     "gathering_as_torch",
     "gathers_as_torch",
@@ -386,3 +387,60 @@ def outputs_device(outputs: Any, labels: dict) -> torch.device:
         if torch.is_tensor(value):
             return value.device
     return torch.device("cpu")
+
+
+def forward_in_replicas(exact, wrapper: nn.DataParallel, run, inputs: dict, labels: dict, autocast_dtype, keep: bool):
+    """
+    A forward of the exact step (`run`: `run(model, inputs, labels) -> (Terms, outputs)`) in every replica of
+    `wrapper` (`run_in_replicas`): the gathered `Terms` and the outputs it keeps.
+    """
+    if not gathers_as_torch(wrapper):
+        # A forward of its own splits the batch as it likes: only the tensors of the batch go in, as under stock.
+        report = _ReplicasReport(exact, run, inputs, labels, keep)
+        return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype, report)
+    if not keep and "use_cache" not in inputs and takes_use_cache(wrapper.module):
+        inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
+    return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype)
+
+
+class _ReplicasReport(Reporting):
+    """
+    How the replicas of a DataParallel wrapper with a forward of its own (a subclass that splits and gathers as it
+    likes) send their `Terms`: to hf_parallel directly, past the wrapper's gather, which may not keep a NamedTuple's
+    type. The wrapper gathers only what it gathers under stock: the model's outputs where they are kept (and from
+    there they are taken, in the wrapper's order), an empty dict otherwise. A forward that never calls its `module`
+    returns the model's outputs on the whole batch, given its labels: the terms are computed from them, where they
+    were gathered (exact, at the cost of the whole batch's outputs there), warned once.
+    """
+
+    def __init__(self, exact, run, inputs: dict, labels: dict, keep: bool):
+        super().__init__()
+        self.exact, self.run, self.inputs, self.labels, self.keep = exact, run, inputs, labels, keep
+
+    def kept(self, result: tuple[Any, Any]) -> Any:
+        return result[0]
+
+    def shown(self, result: tuple[Any, Any]) -> Any:
+        return result[1] if result[1] is not None else {}
+
+    def merged(self, gathered: Any, returned: Any) -> tuple[Any, Any]:
+        if gathered is not None:
+            return gathered, (returned if self.keep else None)
+        checked = self.run.plain is not self.run  # a checked forward around the plain one
+        self.exact.warn_once(
+            "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas cannot "
+            "compute their own loss terms; the loss is computed from the outputs the wrapper gathered (exact, but the "
+            "whole batch's logits are gathered on the first device)."
+            + (" The model's own loss is not checked against the head." if checked else "")
+        )
+        return self.run.plain(_Returned(returned), self.inputs, self.labels)
+
+
+class _Returned:
+    """Stands for a model already called: returns `outputs` whatever it is given."""
+
+    def __init__(self, outputs: Any):
+        self.outputs = outputs
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.outputs

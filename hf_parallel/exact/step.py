@@ -1,35 +1,64 @@
 """
-A run's steady training step: the short path every step after the first takes, for an engine and a head that need
-nothing more than counting and one forward. Read top to bottom:
+The one exact step: every training step (the Trainer's and `ExactLoop`'s, the first and every later one, under every
+engine and for every head family) and every evaluation batch runs the same three stages. Read top to bottom:
 
-1. `pull_batches`: the step's micro-batches (the stock loop) and, only under an engine that pads an epoch's last
-   global batch, whether the last one ends the epoch (that step takes the whole way, which marks the padding).
-2. `SteadyStep.count`: the head counts the step's items C from the labels, added over the engine's ranks.
-3. `SteadyStep.loss`, per micro-batch: the labels out of the forward (or in it, by the head's route), one forward,
-   the head's loss sum S, and S / C times the engine's gradient factor.
+1. `pull_batches`: the step's micro-batches (the stock loop) and, under an engine that pads an epoch's last global
+   batch or shards the sequence, whether the last one ends the epoch.
+2. `count_step`: C, the step's items per loss term, added over the engine's ranks, before any micro-batch runs.
+3. `micro_batch_loss`, per micro-batch: the labels out of the forward (or in it, by the head's route), one forward,
+   the head's loss sums S (`Terms`), and S / C times the engine's gradient factor (`reduce`); in evaluation S and C
+   added to the totals of the set.
 
-`steady_step` says, once, whether a run's step can take it. Everything else goes the whole way
-(`hf_parallel.exact.forward.micro_batch_loss`): the first step's check of the head against the model's own loss,
-DataParallel replicas, the padded rows of an epoch's last step, a MoE router's term, batch-coupled and user losses,
-a head that watches the model's loss call, evaluation.
+An engine or a family adds its part around these stages, never a path of its own: DataParallel runs the forward in
+its replicas (`hf_parallel.exact.replicas`); a MoE router adds a declared term (`hf_parallel.exact.heads.router`); a
+loss over the whole step's rows embeds them first (`hf_parallel.exact.coupled`); a head that reads the model's loss
+call watches it (`LossCallWatch`); the padded rows of an epoch's last step are left out of the counts and sums
+(`hf_parallel.exact.remainder`); and the first forward of a head is checked against the model's own loss
+(`hf_parallel.exact.checked`), the step having been counted for every head the check may settle on.
+
+```python
+from hf_parallel.exact import ExactLoss, RunContext, count_step, micro_batch_loss
+
+exact = ExactLoss()
+head = exact.head(model, batches[0])
+step = count_step(exact, head, batches)
+for batch in batches:
+    loss, _ = micro_batch_loss(exact, model, head, batch, step, RunContext())
+    loss.backward()
+```
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from .engine import Engine
+from .checked import CheckedForward
+from .compare import can_use_model_loss, candidate_heads, fused_outputs
+from .coupled import contrastive_loss
 from .heads import LossHead, Route
-from .heads.base import sequence_length
+from .heads.base import LOSS_CALL_KEY, REAL_ROWS_KEY, sample_ids_of, sequence_length
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
-from .remainder import EpochEnd, epoch_end
-from .terms import StepCounts
+from .remainder import TARGET_KEYS, EpochEnd, epoch_end, first_rows, mask_padding, row_mask
+from .replicas import forward_in_replicas, outputs_device, without_cache
+from .terms import Terms, watching_loss_call
 
-__all__ = ["SteadyStep", "pull_batches", "steady_step"]
+__all__ = [
+    "RunContext",
+    "StepCounts",
+    "count_step",
+    "micro_batch_loss",
+    "model_labels",
+    "pull_batches",
+    "router_terms",
+    "sample_terms",
+    "split_labels",
+]
 
 
 def pull_batches(epoch_iterator, num_batches: int, gradient_state, reads_end: bool) -> tuple[list, EpochEnd | None]:
@@ -49,73 +78,423 @@ def pull_batches(epoch_iterator, num_batches: int, gradient_state, reads_end: bo
     return batches, end
 
 
-class SteadyStep:
+@dataclass(frozen=True, eq=False)
+class StepCounts:
     """
-    The steady step of one run: its engine and its head, fixed once the first step's check settled the head.
+    The item counts of one whole optimizer step (all micro-batches, all ranks), per loss term, and what else the step
+    holds for its micro-batches.
 
     Args:
-        engine (`Engine`): the run's engine.
-        head (`LossHead`): the settled head (route `RECOMPUTED`, `MODEL_LOSS` or `LABELS_IN_FORWARD`).
-        main_input_name (`str`): the input whose second dimension is the sequence length.
-        unwrap (`Callable`): takes a model out of its wrappers (an encoder-decoder's decoder inputs are built by it).
+        counts (`torch.Tensor`): C per loss term, of `head`.
+        total (`torch.Tensor`): their sum, made once: what stock code gets as `num_items_in_batch`.
+        scale (`int`): the engine's gradient factor (DDP averages gradients: the number of processes; 1 without).
+        micro_batches (`int`): this rank's micro-batches (a stock loss the check falls back to is divided by them).
+        router (`torch.Tensor`, *optional*): a MoE router's `[E + 1]` statistics of the whole step, or None.
+        batches (`tuple[dict, ...]`): this rank's micro-batches as counted (a loss over the whole step's rows embeds
+            them all first).
+        by_shift (`dict`, *optional*): counted before the check of the head against the model's own loss concluded,
+            each candidate head's counts by its causal shift, so that the head the check settles on finds its count
+            made already (`for_head`).
+        head (`LossHead`, *optional*): the head counted; `settled` when no check can change it any more.
     """
 
-    def __init__(self, engine: Engine, head: LossHead, main_input_name: str, unwrap: Callable[[nn.Module], nn.Module]):
-        self.engine, self.head, self.main_input_name, self.unwrap = engine, head, main_input_name, unwrap
-        self.model_loss = head.route is Route.MODEL_LOSS
-        self.labels_in_forward = head.route is not Route.RECOMPUTED
-        self.builds_decoder_inputs = head.builds_decoder_inputs and head.route is Route.RECOMPUTED  # labels out
+    counts: torch.Tensor
+    total: torch.Tensor
+    scale: int = 1
+    micro_batches: int = 1
+    router: torch.Tensor | None = None
+    batches: tuple[dict, ...] = ()
+    by_shift: dict[bool, torch.Tensor] | None = None
+    head: LossHead | None = None
+    settled: bool = False
 
-    def count(self, batches: list[dict], device: torch.device | None = None) -> StepCounts:
-        """C: the items of the step's `batches` per loss term, added over the engine's ranks."""
-        counts = None
-        for batch in batches:
-            items = self.head.count(batch, sequence_length(batch, self.main_input_name)).to(device)
-            counts = items if counts is None else counts + items
-        engine = self.engine
-        if engine.count_ranks > 1:
-            counts = engine.add_counts(counts)
-        return StepCounts(counts, engine.gradient_factor, len(batches))
+    def for_head(self, head: LossHead | None) -> StepCounts:
+        """The counts of `head`, one of the candidates the step was counted for (itself where there was one)."""
+        if self.by_shift is None or head is None or self.counts is self.by_shift[head.shift]:
+            return self
+        counts = self.by_shift[head.shift]
+        return replace(self, counts=counts, total=counts.sum())
 
-    def loss(self, model: nn.Module, inputs: dict, step: StepCounts) -> tuple[torch.Tensor, Any]:
-        """One micro-batch's loss, S / C of the step times the engine's gradient factor, and the model's outputs."""
-        head = self.head
-        inputs = dict(inputs)  # the caller's dict keeps its labels
-        labels = head.pop_labels(inputs)
-        if self.builds_decoder_inputs and needs_decoder_inputs(head, inputs):
-            inputs["decoder_input_ids"] = decoder_input_ids(self.unwrap(model), labels["labels"])
-        if self.model_loss:
-            # The model divides its own loss sum by the step's count: S / C itself.
-            outputs = model(**inputs, **labels, num_items_in_batch=step.counts.sum())
-            loss = (outputs["loss"] if isinstance(outputs, dict) else outputs[0]).float() * step.scale
+
+def count_step(
+    exact,
+    head: LossHead,
+    batches: list[dict],
+    device: torch.device | None = None,
+    main_input_name: str = "input_ids",
+    model: nn.Module | None = None,
+    owner: nn.Module | None = None,
+    settled: bool = False,
+) -> StepCounts:
+    """
+    The item counts of a whole optimizer step: all `batches` of this rank, added over the engine's ranks (one
+    collective). While the check of the head of `owner` (the model whose head is cached; `model` when not given) is
+    open, every candidate head the check may settle on is counted too, in the same collective; `settled` says the
+    caller knows it concluded. With `model` (what the micro-batches run through) and a MoE router under gradient
+    accumulation, also the router statistics of the whole step (`router_balance="step"`: a forward of each micro-batch
+    without gradient).
+    """
+    owner = model if owner is None else owner
+    # No check can change a user loss's head (its own judge), nor one whose check concluded.
+    settled = settled or (
+        owner is not None and (head.route is Route.USER_LOSS or exact.check.concluded(exact.key(owner)))
+    )
+    candidates = (head,) if settled or head.route is Route.USER_LOSS else candidate_heads(head)
+    counts = [sum(_items(c, batch, main_input_name).to(device) for batch in batches) for c in candidates]
+    counts = counts[0].unsqueeze(0) if len(counts) == 1 else torch.stack(counts)
+    router = None
+    if model is not None and head.router is not None and len(batches) > 1 and exact.router_balance == "step":
+        router = _router_step(exact, head, model, batches, counts.device)
+    # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
+    # scales its S / C by the engine's factor (the world size: the sum over ranks of S_r / C is the exact loss).
+    engine = exact.engine
+    counts = engine.add_counts(counts)
+    by_shift = {c.shift: count for c, count in zip(candidates, counts, strict=True)} if len(candidates) > 1 else None
+    factor = engine.gradient_factor
+    return StepCounts(
+        counts[0], counts[0].sum(), factor, len(batches), router, tuple(batches), by_shift, head=head, settled=settled
+    )
+
+
+def _items(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
+    """A batch's item counts per term, the padding rows marked in it (`REAL_ROWS_KEY`) left out."""
+    seq_len = sequence_length(batch, main_input_name)
+    real = batch.get(REAL_ROWS_KEY)
+    if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
+        return head.count(batch, seq_len)
+    # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
+    sample_ids = sample_ids_of(head, batch)
+    if head.ignore_index_items:
+        # What the forward will see: the padding's targets ignored (`split_labels`), so that a model given its
+        # labels counts as this does.
+        return head.count(mask_padding(batch, TARGET_KEYS, real, sample_ids), seq_len)
+    return head.count(first_rows(batch, (*head.label_keys, "shift_labels"), real), seq_len)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """
+    What stays the same over a run's micro-batches.
+
+    Args:
+        owner (`nn.Module`, *optional*): the model whose head is cached (the Trainer's `self.model`); defaults to the
+            model called.
+        loss_func (`Callable`, *optional*): a user loss, `loss_func(outputs, labels, num_items_in_batch=...)`.
+        autocast_dtype (`torch.dtype`, *optional*): the dtype of every DataParallel replica's forward.
+        main_input_name (`str`, *optional*, defaults to `"input_ids"`): the input whose second dimension is the
+            sequence length.
+    """
+
+    owner: nn.Module | None = None
+    loss_func: Callable | None = None
+    autocast_dtype: torch.dtype | None = None
+    main_input_name: str = "input_ids"
+
+
+def micro_batch_loss(
+    exact,
+    model: nn.Module,
+    head: LossHead,
+    inputs: dict,
+    step: StepCounts | None,
+    context: RunContext,
+    *,
+    return_outputs: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """
+    The exact loss of one micro-batch (S / C of the step in training, `step` given; S / C of the batch in evaluation,
+    added to the evaluation totals) and, when `return_outputs`, the model's outputs (None where a DataParallel
+    forward gathered none: evaluation without predictions).
+
+    Args:
+        exact (`ExactLoss`): the run's loss state (head cache, check, engine, totals).
+        model (`nn.Module`): what to call: the model, or its DDP / DataParallel wrapper.
+        head (`LossHead`): `exact.head(owner)`.
+        inputs (`dict`): the batch, with its labels (the caller's dict is not changed).
+        step (`StepCounts`, *optional*): the counts of the whole optimizer step (`count_step`); None in evaluation.
+        context (`RunContext`): what stays the same over the run.
+        return_outputs (`bool`, *optional*): return the outputs too.
+    """
+    if head.batch_coupled:
+        # Each row's loss depends on the others of the batch: computed on the whole step's embeddings.
+        return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
+    owner = model if context.owner is None else context.owner
+    checked = step is None or not step.settled
+    candidates = exact.pending_check(head, owner, inputs) if checked else None
+    if step is not None and step.by_shift is not None:
+        step = step.for_head(head)  # counted for every head the check may settle on
+    if "skip_logits" in inputs and (candidates is not None or head.route is not Route.MODEL_LOSS):
+        # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); the check
+        # compares the logits, and a recomputed loss is made of them.
+        inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
+    keeps_labels = candidates is not None or head.route is Route.MODEL_LOSS
+    inputs, labels = split_labels(head, inputs, model, not keeps_labels, exact.unwrap)
+    user_loss = head.route is Route.USER_LOSS and context.loss_func is not None
+    total = None
+    if user_loss:  # the count a user loss divides by: the step's, or the batch's in evaluation
+        seq_len = sequence_length(inputs, context.main_input_name)
+        total = step.total if step is not None else head.count(labels, seq_len).sum()
+    replicas = exact.engine.replicas
+    keep = return_outputs and (exact.outputs_wanted or not replicas)
+    run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=replicas)
+    watching = candidates is not None or head.loss_call is not None
+    with _watching(exact, head, candidates, model, inputs) if watching else contextlib.nullcontext() as run.loss_call:
+        if candidates is not None:
+            # The first forward of the head: checked against the model's own loss, in a piece of its own.
+            run = CheckedForward(run, candidates, can_use_model_loss(head, exact.unwrap(owner)))
+        if replicas:
+            terms, outputs = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, keep)
         else:
-            outputs = model(**inputs, **labels) if self.labels_in_forward else model(**inputs)
-            sums, _ = head.row_terms(outputs, labels)
-            loss = head.combine(sums.sum(0), step.counts) * step.scale
-        return self.engine.valued(loss), outputs
+            terms, outputs = run(model, inputs, labels)
+    if candidates is not None and terms.check is not None:  # a check no replica ran stays open
+        head, terms = exact.settle(candidates, owner, terms)
+        if step is not None:
+            step = step.for_head(head)
+        if head is None:
+            # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss of
+            # the following steps; the step was counted as exact, so divide by its micro-batches here.
+            return terms.check.model_loss.mean() / (step.micro_batches if step is not None else 1), outputs
+    return reduce(exact, head, terms, step), outputs
 
 
-def steady_step(
-    engine: Engine,
-    head: LossHead | None,
-    settled: bool,
-    user_loss: bool,
-    main_input_name: str,
-    unwrap: Callable[[nn.Module], nn.Module],
-) -> SteadyStep | None:
+@contextlib.contextmanager
+def _watching(exact, head: LossHead, candidates, model: nn.Module, inputs: dict):
+    """Around a forward: what the model's decoder is given (a checked forward), and what its loss call is passed (a
+    head that declares a `LossCall`); yields the loss-call watch, or None."""
+    watch_call = watching_loss_call(head, model, exact.unwrap, checked=candidates is not None)
+    with exact.watching_decoder(candidates, model, inputs), watch_call as loss_call:
+        yield loss_call
+
+
+def split_labels(
+    head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True, unwrap: Callable = lambda m: m
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """
-    The steady step of a run whose engine and head need nothing more than counting and one forward, or None.
+    A copy of `inputs` without the labels, and the labels (the padding rows of an epoch's last step, marked, masked in
+    a cross-entropy's targets); decoder inputs built when `model` (taken out of its wrappers by `unwrap`, only then)
+    needs them, unless `build_decoder_inputs=False` (a forward that keeps the labels, where the model builds its own).
+    """
+    inputs = dict(inputs)  # the caller's dict keeps its labels
+    labels = head.pop_labels(inputs)
+    if REAL_ROWS_KEY in inputs:
+        real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
+        if head.ignore_index_items:
+            # Padding rows ignored in the targets themselves: also for a model that gets its labels.
+            labels = mask_padding(labels, TARGET_KEYS, real, sample_ids_of(head, inputs))
+    if build_decoder_inputs and head.builds_decoder_inputs and needs_decoder_inputs(head, inputs):
+        # The model builds decoder inputs from the labels it no longer receives.
+        inputs["decoder_input_ids"] = decoder_input_ids(unwrap(model), labels["labels"])
+    return inputs, labels
+
+
+def model_labels(labels: dict) -> dict:
+    """The labels as the model takes them: without the padding mark of an epoch's last step, nor what a forward's
+    `LossCallWatch` recorded; labels a head packed by row (detection's `BoxTargets`) in the model's own form."""
+    return {
+        key: value.for_model() if callable(getattr(value, "for_model", None)) else value
+        for key, value in labels.items()
+        if key not in (REAL_ROWS_KEY, LOSS_CALL_KEY)
+    }
+
+
+class _Forward:
+    """
+    One forward of the head's route and its `Terms`, run where the outputs are: in the caller, or in each
+    DataParallel replica on its rows. The first forward of a head is this one wrapped in `CheckedForward`.
 
     Args:
-        engine (`Engine`): the run's engine.
-        head (`LossHead`, *optional*): the run's head (None: the stock loss).
-        settled (`bool`): whether the check of the head against the model's own loss is decided.
-        user_loss (`bool`): whether the Trainer has a `compute_loss_func`.
-        main_input_name (`str`): the input whose second dimension is the sequence length.
-        unwrap (`Callable`): takes a model out of its wrappers.
+        exact (`ExactLoss`): the run's loss state.
+        head (`LossHead`): the head; its route says what the model is given.
+        step (`StepCounts`, *optional*): the step's counts (None in evaluation).
+        context (`RunContext`): what stays the same over the run.
+        total (`torch.Tensor`, *optional*): the count a user loss divides by; None without a user loss.
+        keep (`bool`, *optional*): return the model's outputs (without their cache where `drop_cache`).
+        drop_cache (`bool`, *optional*): drop the outputs' cache (a DataParallel gather would carry it).
     """
-    if head is None or not settled or user_loss or engine.replicas or engine.shards_sequence:
+
+    def __init__(self, exact, head, step, context: RunContext, total=None, *, keep=False, drop_cache=False):
+        self.exact, self.head, self.step, self.context, self.total = exact, head, step, context, total
+        self.loss_func = context.loss_func if total is not None else None
+        self.keep, self.drop_cache = keep, drop_cache
+        #: The watch on the model's loss call, for a head that declares one (`LossCallWatch`).
+        self.loss_call = None
+        self.plain = self
+
+    def __call__(self, run, inputs: dict, labels: dict):
+        outputs, labels, count = self.forward(run, inputs, labels)
+        return self.terms(outputs, labels, inputs, count), self.kept(outputs)
+
+    def forward(self, run, inputs: dict, labels: dict, count=None, with_labels: bool = False):
+        """
+        The model's outputs, the labels with what its loss call passed (`LOSS_CALL_KEY`), and the count it was given.
+        The model gets its labels where the route keeps them in (or `with_labels`), and as `num_items_in_batch` the
+        step's count C where its own loss is the head's (S / C of the step in training, S in evaluation), else `count`.
+        """
+        head = self.head
+        targets = model_labels(labels)
+        if head.route is Route.MODEL_LOSS and self.step is not None:
+            count = self.step.total
+            device = next(iter(targets.values())).device  # a replica's, under DataParallel
+            count = count if count.device == device else count.to(device)
+        elif head.route is Route.MODEL_LOSS:
+            count = 1
+        extra = targets if with_labels or head.route in (Route.MODEL_LOSS, Route.LABELS_IN_FORWARD) else {}
+        if count is not None:
+            extra = {**extra, "num_items_in_batch": count}
+        outputs = run(**inputs, **extra)
+        if self.loss_call is not None:
+            seen = self.loss_call.take()
+            if not seen and head.loss_call.inferred is not None:
+                # A model that computes its loss inline passes nothing: its arguments as it computes them.
+                seen = head.loss_call.inferred(getattr(run, "module", run), inputs)
+            labels = {**labels, LOSS_CALL_KEY: seen}
+        return outputs, labels, count
+
+    def from_model_loss(self, outputs, count) -> bool:
+        """Whether the terms are read off the model's own loss: its route, or fused outputs (no logits) and a count."""
+        return self.head.route is Route.MODEL_LOSS or (count is not None and fused_outputs(outputs))
+
+    def terms(self, outputs, labels: dict, inputs: dict, count=None, without_grad: bool = False) -> Terms:
+        """The forward's `Terms`: read off the model's own loss (`from_model_loss`), the user loss, or the head's sums
+        from the outputs (computed `without_grad` where only compared: a checked forward), with a MoE router's
+        statistics where the head has a router."""
+        head = self.head
+        if self.from_model_loss(outputs, count):
+            return _model_terms(head, outputs, labels, sequence_length(inputs, self.context.main_input_name), count)
+        with torch.no_grad() if without_grad else contextlib.nullcontext():
+            if self.loss_func is not None:
+                total = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
+                loss = self.loss_func(outputs, model_labels(labels)["labels"], num_items_in_batch=total)
+                # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
+                terms = Terms(user_loss=loss.reshape(1) if loss.dim() == 0 else loss)
+            else:
+                terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
+        if head.router is None:
+            return terms
+        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.exact.evaluating))
+
+    def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """`head`'s `[samples, terms]` sums and counts on these outputs (`sample_terms`), per sample in evaluation."""
+        return sample_terms(head, outputs, dict(labels), inputs, self.exact.evaluating)
+
+    @staticmethod
+    def targets(labels: dict) -> dict:
+        """The labels as the model takes them (`model_labels`)."""
+        return model_labels(labels)
+
+    def kept(self, outputs):
+        """The outputs to return: None unless kept, without their cache where it must not travel."""
+        if not self.keep:
+            return None
+        return without_cache(outputs) if self.drop_cache else outputs
+
+
+def _model_terms(head: LossHead, outputs, labels: dict, seq_len: int | None, count: torch.Tensor | int) -> Terms:
+    """
+    The terms of a forward whose loss is the model's own, given `count` as `num_items_in_batch`: `[[S]]` and `[[C]]`,
+    S = loss x count, C counted from the labels.
+    """
+    loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if outputs else None)
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError(
+            f"exact_loss: the {head.name} loss is taken from the model, given its labels, but its forward "
+            f"returned no loss ({type(outputs).__name__}). Return the loss when labels are given, or set "
+            "exact_loss=False."
+        )
+    sums = (loss.float() * (count.detach() if torch.is_tensor(count) else count)).reshape(1, 1)
+    return Terms(sums, head.count(model_labels(labels), seq_len).to(sums.device).reshape(1, -1))
+
+
+def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> tuple[torch.Tensor, ...]:
+    """
+    Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row where
+    `per_sample` (evaluation: training adds every sample up anyway, in one row, without counting the samples, which
+    would read a value off the device every micro-batch); the padding samples of an epoch's last step
+    (`REAL_ROWS_KEY`) add nothing, not to S, not to the gradient. `labels` loses that mark.
+    """
+    real = labels.pop(REAL_ROWS_KEY, None)
+    sample_ids = sample_ids_of(head, inputs)
+    if sample_ids is None:
+        sums, counts = head.row_terms(outputs, labels)
+        if real is not None:
+            mask = row_mask(sums.shape[0], real, sums.device)
+            # Chosen, not multiplied: a padding row's loss may be infinite (an infeasible CTC alignment), and inf x 0
+            # is NaN.
+            sums, counts = sums.where(mask, 0), counts.where(mask, 0)
+        return sums, counts
+    losses, valid = head.position_terms(outputs, labels)  # [1, positions]
+    sample_ids = sample_ids.to(losses.device)
+    keep = sample_ids.lt(real) if real is not None else torch.ones_like(valid[0])
+    if not per_sample:
+        return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
+    samples = int(sample_ids.max()) + 1
+    sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
+    counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
+        0, sample_ids, (valid[0] & keep).long()
+    )
+    return sums.unsqueeze(-1), counts.unsqueeze(-1)
+
+
+def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torch.Tensor:
+    """
+    The loss from `terms` (one forward's, or every replica's gathered): S / C of the step in training (`step` given),
+    S / C of the batch otherwise, S and C then added to the evaluation totals.
+    """
+    if terms.user_loss is not None:
+        # One value per replica under DataParallel (each divided by the whole count already): their sum.
+        return terms.user_loss.sum() * (step.scale if step is not None else 1)
+    if step is None:
+        return exact.add_to_evaluation(head, terms)
+    loss = head.combine(terms.sums.sum(0), step.counts) * step.scale
+    if terms.router is None:
+        return loss
+    return loss + _router_term(exact, head, terms.router.sum(0), step)
+
+
+# ---- A MoE router's term (`hf_parallel.exact.heads.router`), added to its head's ----
+def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> torch.Tensor | None:
+    """
+    A MoE model's router statistics on this forward's rows, the padding rows of an epoch's last step left out:
+    `[1, 2E + 1]` in training, `[rows, 2E + 1]` where `per_sample` (evaluation); None for outputs without router
+    logits.
+    """
+    rows = next(iter(model_labels(labels).values())).shape[0]
+    stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
+    if stats is None:
         return None
-    if head.route is Route.USER_LOSS or head.needs_more_than_a_forward:
-        return None
-    return SteadyStep(engine, head, main_input_name, unwrap)
+    real = labels.get(REAL_ROWS_KEY)
+    if real is not None:
+        stats = stats.where(row_mask(rows, real, stats.device).reshape(-1, 1), 0)
+    return stats if per_sample else stats.sum(0, keepdim=True)
+
+
+def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], device: torch.device) -> torch.Tensor:
+    """The router statistics of the whole step, over every rank: a forward of each micro-batch without gradient, under
+    the random state the training forwards then draw from again."""
+    forward = exact.unwrap(model) if exact.engine.replicas else model  # a DataParallel's: on one device
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
+    return exact.engine.add_counts(router.to(device))
+
+
+def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
+    """
+    A MoE model's router term of one micro-batch in training: with the step's router statistics
+    (`router_balance="step"`), this micro-batch's share of the whole step's term; otherwise over the micro-batch of
+    every replica and rank (T and n added over ranks: one collective), scaled like the head's sums, and averaged over
+    the step's micro-batches (warned once).
+    """
+    if step.router is not None:
+        return head.router.loss(own, step.router) * step.scale
+    engine = exact.engine
+    everyone = engine.add_counts(head.router.shared(own)) if engine.count_ranks > 1 else None
+    if step.micro_batches > 1:
+        exact.warn_once(
+            "exact_loss: the router auxiliary loss of a mixture-of-experts model is taken over each micro-batch "
+            f"of every device, and averaged over the {step.micro_batches} micro-batches of a step "
+            "(router_balance='micro_batch'; stock adds them up). The cross-entropy is exact over the whole step. "
+            "router_balance='step' (the default) gives the router loss of one forward over the whole step, at "
+            "the cost of one more forward without gradient per micro-batch."
+        )
+    return head.router.loss(own, everyone) * (step.scale / step.micro_batches)

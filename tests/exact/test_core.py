@@ -14,6 +14,7 @@ from hf_parallel.exact import (
     StepCounts,
     Terms,
     candidate_heads,
+    count_step,
     micro_batch_loss,
 )
 from tests.helpers.heads import CASES, batch_of
@@ -40,9 +41,9 @@ def test_a_step_is_exact_over_micro_batches():
     parts = [{k: v[:2] for k, v in whole.items()}, {k: v[2:] for k, v in whole.items()}]
     exact = ExactLoss(label_names=["labels"])
     head = exact.head(model, parts[0])
-    step = exact.count_step(head, parts)
+    step = count_step(exact, head, parts)
     assert isinstance(step, StepCounts) and step.scale == 1
-    assert step.total().item() == head.count(whole).sum().item()
+    assert step.total.item() == head.count(whole).sum().item()
     with torch.no_grad():
         micro = [micro_batch_loss(exact, model, head, part, step, RunContext())[0] for part in parts]
         expected = model(**whole).loss
@@ -67,20 +68,24 @@ def test_ddp_counts_need_a_reduction():
     with pytest.raises(ValueError, match="needs reduce_sum"):
         ExactLoss(num_processes=2)
     exact = ExactLoss(num_processes=2, reduce_sum=lambda counts: counts * 2)  # two identical ranks
-    step = exact.count_step(CrossEntropyHead(), [{"labels": torch.tensor([[1, -100]])}])
+    step = count_step(exact, CrossEntropyHead(), [{"labels": torch.tensor([[1, -100]])}])
     assert step.counts.tolist() == [2] and step.scale == 2
-    assert StepCounts.as_stock(step).item() == 2
-    assert StepCounts.as_stock(5) == 5
+    assert step.total.item() == 2  # what stock code gets as num_items_in_batch
 
 
-def test_a_step_whose_check_switches_the_head_is_recounted_without_rewriting_its_counts():
-    # The check of a step's first micro-batch finds the other shift fits: the step is recounted with it, and the
-    # caller, who keeps passing the StepCounts it was given, gets the new counts from `current_counts`.
-    exact, model = ExactLoss(), torch.nn.Linear(1, 1)  # settle reads only the model's class name
+def test_a_step_counted_before_the_check_holds_every_candidate_s_count():
+    # Counted before the check of its head decided: both causal shifts are counted, in one collective. The check of
+    # the step's first micro-batch finds the other shift fits; its count is there already, nothing is counted again.
+    reduced = []
+    exact, model = (
+        ExactLoss(num_processes=2, reduce_sum=lambda counts: reduced.append(counts) or counts * 2),
+        torch.nn.Linear(1, 1),
+    )
     batches = [{"labels": torch.tensor([[5, 6, -100]])}, {"labels": torch.tensor([[7, 8, 9]])}]
     candidates = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
-    step = exact.count_step(candidates[0], batches)
-    assert step.counts.tolist() == [3] and step.micro_batches == 2
+    step = count_step(exact, candidates[0], batches, model=model)
+    assert len(reduced) == 1 and reduced[0].tolist() == [[3], [5]]  # shifted, unshifted: one collective
+    assert step.counts.tolist() == [6] and step.micro_batches == 2 and step.batches == tuple(batches)
     unknown, ones = torch.full((1, 1), float("nan")), torch.ones(1, 1, dtype=torch.long)
     check = ReplicaCheck(
         fits=torch.tensor([[0.0, 1.0]]),  # the unshifted candidate fits, the shifted one does not
@@ -91,8 +96,11 @@ def test_a_step_whose_check_switches_the_head_is_recounted_without_rewriting_its
         sums=(torch.zeros(1, 1), torch.full((1, 1), 2.0)),
         counts=(ones, ones),
     )
-    head, terms = exact.settle(candidates, model, Terms(torch.zeros(1, 1), ones, check=check), step)
+    head, terms = exact.settle(candidates, model, Terms(torch.zeros(1, 1), ones, check=check))
     assert head is candidates[1] and float(terms.sums.sum()) == 2.0  # this micro-batch: the unshifted terms
-    assert exact.current_counts(step).counts.tolist() == [5]  # every target counts unshifted
-    assert step.counts.tolist() == [3]  # the StepCounts the caller holds is not rewritten
+    assert step.for_head(head).counts.tolist() == [10]  # every target counts unshifted, over both ranks
+    assert step.counts.tolist() == [6]  # the step itself is not rewritten
     assert exact.head(model) is candidates[1]  # cached for the model
+    # Once the check concluded, a step counts its head alone.
+    later = count_step(exact, head, batches, model=model)
+    assert later.by_shift is None and later.counts.tolist() == [10] and reduced[-1].tolist() == [[5]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_parallel.exact import ExactLoss, Route, RunContext, micro_batch_loss
-from hf_parallel.exact.terms import sample_terms, split_labels
+from hf_parallel.exact import ExactLoss, Route, RunContext, count_step, micro_batch_loss
+from hf_parallel.exact.step import sample_terms, split_labels
 from tests.helpers.heads import CASES
 
 
@@ -24,7 +24,7 @@ def test_a_user_loss_function_gets_the_exact_count():
     head = exact.head(model, loss_func=loss_func, loss_func_shifts=True)
     assert head.name == "compute_loss_func" and head.shift and head.route is Route.USER_LOSS
     batches = [{"labels": torch.tensor([[1, 2, 3]])}, {"labels": torch.tensor([[4, -100, -100]])}]
-    step = exact.count_step(head, batches)
+    step = count_step(exact, head, batches)
     micro_batch_loss(exact, model, head, batches[0], step, RunContext(loss_func=loss_func))
     assert seen["count"] == 2  # shifted: 2 targets in the first row, none in the second
 

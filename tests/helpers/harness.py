@@ -127,7 +127,7 @@ class RunResult:
     (None without evaluation), the first step's gradient and the parameters after training (by name), the wrapper the
     Trainer trained through (`wrapped`), the topology it saw, the trainer itself (None once it crossed processes), the
     emulated DataParallel's records (`emulation`, None without it), from a DDP spawn how far the ranks' parameters are
-    apart, and whether the last steps took the steady step.
+    apart, and whether the last steps were counted with a settled head.
     """
 
     loss: float | None
@@ -142,8 +142,8 @@ class RunResult:
     trainer: Any = None
     emulation: Any = None
     max_rank_param_diff: float | None = None
-    #: Whether the run's last steps took the steady step (`hf_parallel.exact.step`); None for a stock run.
-    steady: bool | None = None
+    #: Whether the run's last steps were counted with a settled head (the check of the head decided); None for stock.
+    settled: bool | None = None
 
 
 def run_case(
@@ -218,7 +218,7 @@ def run_case(
             parallel_mode=str(trainer.args.parallel_mode),
             trainer=trainer,
             emulation=emulation,
-            steady=getattr(trainer, "_steady", None) is not None if not stock else None,
+            settled=getattr(trainer, "_settled_head", None) is not None if not stock else None,
         )
 
 

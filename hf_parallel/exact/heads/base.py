@@ -34,6 +34,8 @@ __all__ = [
     "Route",
     "UnsupportedHead",
     "class_names",
+    "packed_sample_ids",
+    "sample_ids_of",
     "routed",
     "sequence_length",
 ]
@@ -147,6 +149,25 @@ def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | No
     """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
     main = batch.get(main_input_name, batch.get("attention_mask"))
     return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
+
+
+def packed_sample_ids(batch: dict) -> torch.Tensor | None:
+    """
+    For a batch of one row with `position_ids` (a packed row of several sequences, restarting at 0 at each), the
+    sample index of each position, `[positions]`; None for any other batch (there a row is a sample).
+    """
+    position_ids = batch.get("position_ids")
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    # Without reading how many times the positions restart (a device sync per micro-batch): a row that starts once
+    # is one sequence, sample 0 throughout (positions before its start, left padding, count as sample 0 too).
+    return (position_ids[0].eq(0).cumsum(0) - 1).clamp(min=0)
+
+
+def sample_ids_of(head, batch: dict) -> torch.Tensor | None:
+    """The sample of each position of a packed row (see `packed_sample_ids`); None for a head that is not per position
+    (only those are packed: several sequences in one row)."""
+    return packed_sample_ids(batch) if head.per_position else None
 
 
 class LossCall(NamedTuple):

@@ -7,7 +7,7 @@ import torch
 from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_parallel.exact import CrossEntropyHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, resolve_head
-from hf_parallel.exact.terms import split_labels
+from hf_parallel.exact.step import split_labels
 from tests.helpers.heads import CASES, batch_of
 
 EXPECTED_HEADS = {
