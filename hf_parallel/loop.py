@@ -130,6 +130,7 @@ class ExactLoop:
             gather_rows=lambda rows: self.exact.sum_over_ranks(rows[0].sum(0), rows[1].sum(0)),
             unwrap=unwrap,
             fallback=_LOOP_FALLBACK,
+            process_group=process_group,
         )
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,7 @@ class ExactLoop:
                         continue
                     end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
                     batch = padding.mark(head, [dict(batch)], end)[0]
-                    micro_batch_loss(self.exact, model, head, batch, None, self._context())
+                    micro_batch_loss(self.exact, model, head, batch, None, self.run_context())
         finally:
             exact = self.exact.finish_evaluation()
             model.train(was_training)
@@ -236,14 +237,15 @@ class ExactLoop:
         wrapper in one process, else one process or the loop's ranks (`hf_parallel.exact.engine`)."""
         data_parallel = self.num_processes == 1 and is_data_parallel(model)
         if data_parallel != self.exact.engine.replicas:
-            self.exact.engine = pick_engine(
-                self.num_processes, reduce_sum=self.exact.reduce_sum, data_parallel=data_parallel
+            exact = self.exact
+            exact.engine = pick_engine(
+                self.num_processes, reduce_sum=exact.reduce_sum, data_parallel=data_parallel, group=self.group
             )
 
     def _padding(self, dataloader, name: str) -> LoopPadding:
         return LoopPadding(self.exact, dataloader, name, self.accelerator, self.process_index, self.num_processes)
 
-    def _context(self) -> RunContext:
+    def run_context(self) -> RunContext:
         """
         What a micro-batch's loss needs of this loop, read at each call: the autocast dtype of DataParallel replicas,
         the accelerator's mixed precision, else the caller's autocast state.
@@ -304,7 +306,7 @@ class LoopStep:
         loop, exact = self.loop, self.loop.exact
         head = exact.head(model, batch)
         if self._counts is None and head is not None:
-            if not exact.usable(head, self.batches):
+            if not exact.labels_present(head, self.batches):
                 head = None
             else:
                 self._counts = self._count(head, model)
@@ -313,7 +315,7 @@ class LoopStep:
             value = _stock_loss(model(**batch)) / len(self.batches)
         else:
             # The step's own copy of the batch: marked where it holds padding rows.
-            value, _ = micro_batch_loss(exact, model, head, self.batches[index], self._counts, loop._context())
+            value, _ = micro_batch_loss(exact, model, head, self.batches[index], self._counts, loop.run_context())
         self._done[index] = value.detach()
         return value * loop.backward_divides_by
 

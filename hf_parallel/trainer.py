@@ -1,5 +1,6 @@
 """`Trainer`, `Seq2SeqTrainer` and `TrainerMixin` (hf_parallel for any Trainer subclass): their overrides only, each
-"not ours: super()" or a call into the room it serves (`hf_parallel.exact`, `data_parallel`, `saving`, `launch`, ...).
+"not ours: super()" or a call into the subpackage it serves (`hf_parallel.exact`, `data_parallel`, `saving`,
+`launch`, ...).
 
 A training step takes the one step of `hf_parallel.exact.step`: `get_batch_samples` counts it (`count_step`) and hands
 stock the step's count as `num_items_in_batch`, `training_step` and `compute_loss` compute each micro-batch's loss
@@ -194,7 +195,7 @@ class TrainerMixin:
             sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
         head = self._settled_head or self._exact_head(batch_samples[0])
         if head is None or not all(head.has_labels(batch) for batch in batch_samples):
-            self.exact.usable(head, batch_samples)  # warns where a batch lacks the head's labels
+            self.exact.labels_present(head, batch_samples)  # warns where a batch lacks the head's labels
             return None
         if end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
@@ -277,8 +278,8 @@ class TrainerMixin:
         context = self._run_context
         loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
         if step is not None:
-            loss = self.exact.engine.valued(loss)
-        return _returned(loss, outputs, return_outputs)
+            loss = self.exact.engine.as_logged(loss)
+        return _loss_and_outputs(loss, outputs, return_outputs)
 
     def evaluation_loop(
         self,
@@ -368,8 +369,11 @@ class TrainerMixin:
         # A DeepSpeed checkpoint of another data-parallel world size: merged and partitioned again, where DeepSpeed's
         # own loader (which stock calls) refuses it.
         loader = functools.partial(load_on_any_world_size, load=transformers.trainer.deepspeed_load_checkpoint)
-        with temporarily(transformers.trainer, "deepspeed_load_checkpoint", loader):
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        try:
+            with temporarily(transformers.trainer, "deepspeed_load_checkpoint", loader):
+                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            self._counted_step = None  # its micro-batches are not kept past the run
 
     def _check_engine(self) -> None:
         """Before DeepSpeed's engine starts: refuse a model it would crash on; under ZeRO-3, saves that gather."""
@@ -509,7 +513,7 @@ def _bind_trainer_init(cls: type, positional: tuple, kwargs: dict) -> inspect.Bo
     raise TypeError(f"{cls.__name__}: no base after TrainerMixin takes `model` and `args`; put a Trainer class there.")
 
 
-def _returned(loss: torch.Tensor, outputs: Any, return_outputs: bool):
+def _loss_and_outputs(loss: torch.Tensor, outputs: Any, return_outputs: bool):
     """What `compute_loss` returns: the loss, or the loss and the outputs as stock gives them."""
     if not return_outputs:
         return loss

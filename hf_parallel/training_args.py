@@ -94,7 +94,7 @@ class HfParallelArguments:
         # Before transformers sets up the devices, which fails with "invalid device ordinal" on a rank without a GPU.
         check_rank_has_a_gpu(self)
         super().__post_init__()
-        self._validate_hf_parallel_fields()
+        validate_hf_parallel_fields(self)
 
     @classmethod
     def from_stock(cls, args: transformers.TrainingArguments) -> HfParallelArguments:
@@ -110,27 +110,8 @@ class HfParallelArguments:
         for f in fields(cls):
             if f.name not in upgraded.__dict__:
                 setattr(upgraded, f.name, f.default)
-        upgraded._validate_hf_parallel_fields()
+        validate_hf_parallel_fields(upgraded)
         return upgraded
-
-    def _validate_hf_parallel_fields(self) -> None:
-        if not isinstance(self.exact_loss, bool):
-            raise ValueError(f"exact_loss must be True or False, got {self.exact_loss!r}.")
-        check_split_options(self.gpu0_bsz, self.gpu0_weight)
-        if self.contrastive_negatives not in ("step", "micro_batch"):
-            raise ValueError(
-                f"contrastive_negatives must be 'step' or 'micro_batch', got {self.contrastive_negatives!r}."
-            )
-        if self.router_balance not in ("step", "micro_batch"):
-            raise ValueError(f"router_balance must be 'step' or 'micro_batch', got {self.router_balance!r}.")
-        if self.gpu0_bsz is not None and self.gpu0_bsz > self.per_device_train_batch_size:
-            # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
-            # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.
-            raise ValueError(
-                f"gpu0_bsz={self.gpu0_bsz} is above GPU 0's even share of the batch "
-                f"(per_device_train_batch_size={self.per_device_train_batch_size}); GPU 0 would get more rows "
-                "than the other GPUs. Lower gpu0_bsz or raise per_device_train_batch_size."
-            )
 
 
 @dataclass
@@ -180,5 +161,24 @@ def with_hf_parallel_fields(args: Any, args_class: type[HfParallelArguments] | N
     for f in fields(HfParallelArguments):
         if not hasattr(args, f.name):
             setattr(args, f.name, getattr(like, f.name, f.default))
-    HfParallelArguments._validate_hf_parallel_fields(args)
+    validate_hf_parallel_fields(args)
     return args
+
+
+def validate_hf_parallel_fields(args) -> None:
+    """Refuse hf_parallel settings out of range on `args` (any arguments class that carries them), naming the value."""
+    if not isinstance(args.exact_loss, bool):
+        raise ValueError(f"exact_loss must be True or False, got {args.exact_loss!r}.")
+    check_split_options(args.gpu0_bsz, args.gpu0_weight)
+    if args.contrastive_negatives not in ("step", "micro_batch"):
+        raise ValueError(f"contrastive_negatives must be 'step' or 'micro_batch', got {args.contrastive_negatives!r}.")
+    if args.router_balance not in ("step", "micro_batch"):
+        raise ValueError(f"router_balance must be 'step' or 'micro_batch', got {args.router_balance!r}.")
+    if args.gpu0_bsz is not None and args.gpu0_bsz > args.per_device_train_batch_size:
+        # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
+        # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.
+        raise ValueError(
+            f"gpu0_bsz={args.gpu0_bsz} is above GPU 0's even share of the batch "
+            f"(per_device_train_batch_size={args.per_device_train_batch_size}); GPU 0 would get more rows "
+            "than the other GPUs. Lower gpu0_bsz or raise per_device_train_batch_size."
+        )

@@ -25,9 +25,11 @@ __all__ = [
     "INSTANCE_ATTRIBUTES",
     "NOT_OVERRIDDEN",
     "PRIVATE_ATTRIBUTES",
+    "PRIVATE_NAMES",
     "SHARD_ATTRIBUTES",
     "TRAINING_ATTRIBUTES",
     "Hook",
+    "PrivateName",
     "temporarily",
 ]
 
@@ -181,6 +183,73 @@ IMPORTED_NAMES = (
         "the DeepSpeed resume the training loop calls by this module-level name: Trainer.train() swaps it for "
         "engines.reshard.load_on_any_world_size, which calls it on the checkpoint's own world size",
     ),
+)
+
+
+class PrivateName(NamedTuple):
+    """
+    A private name of torch, DeepSpeed, transformers or accelerate that hf_parallel reads, writes, patches or imports,
+    where no public name does the same: `name` on `owner` (a dotted path to a module or class), or, for state made at
+    run time (an instance attribute), a name that `source` (a dotted path to a module or class) still reads or writes.
+    """
+
+    owner: str
+    name: str
+    why: str
+    source: str | None = None
+
+
+PRIVATE_NAMES = (
+    # torch: the launch guard, the stock loss's watched count, DataParallel (its replicas and the CPU emulation)
+    PrivateName("torch.cuda", "_lazy_call", "CUDA_VISIBLE_DEVICES recorded as CUDA initialises (guarded)"),
+    PrivateName("torch._C", "DisableTorchFunctionSubclass", "a watched count runs each op on plain tensors"),
+    PrivateName("torch.Tensor", "_make_subclass", "a watched count shares the storage of the count it watches"),
+    PrivateName("torch.nn.modules.batchnorm", "_BatchNorm", "batch statistics split over replicas: warned"),
+    PrivateName("torch.nn.Module", "_parameters", "replicas' parameters routed", "torch.nn.parallel.replicate"),
+    PrivateName("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod", "unwrapped", "torch._dynamo.eval_frame"),
+    PrivateName("torch.distributed.distributed_c10d", "_get_default_store", "ZeRO-3 saves' arrivals, with a deadline"),
+    PrivateName("torch._utils", "_get_device_index", "the emulation maps device ids to its virtual devices"),
+    PrivateName("torch.nn.parallel", "_functions", "the emulation runs torch's own Broadcast and Gather"),
+    # the emulation stands in for the copies between GPUs (`_broadcast_coalesced`, `_scatter`, `_gather`)
+    PrivateName("torch._C", "_scatter", "what torch's scatter calls", "torch.nn.parallel.comm"),
+    # DeepSpeed 0.19: a ZeRO checkpoint resumed on another number of ranks (engines.reshard), its checks
+    PrivateName("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero2_checkpoint", "ZeRO 1/2 merged"),
+    PrivateName("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint", "ZeRO-3 merged"),
+    PrivateName(
+        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+        "_get_fp32_opt_state_partition",
+        "a partition written directly: DeepSpeed's own setter reads past a padded end",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_get_param_partition_rank", "its rank"
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+        "_lazy_init_hp_params_optimizer_state",
+        "ZeRO 1/2 link each parameter's view of an optimizer state made before its first step",
+    ),
+    PrivateName(
+        "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+        "_hp_optimizer_states_linked",
+        "unset, so that the views are linked again",
+        source="deepspeed.runtime.zero.stage_1_and_2",
+    ),
+    PrivateName("deepspeed.runtime.engine.DeepSpeedEngine", "_broadcast_model", "bytes broadcast: 0-dim refused"),
+    # transformers
+    PrivateName("transformers.PreTrainedModel", "_loss_function", "LossCallWatch's", "transformers.modeling_utils"),
+    PrivateName("transformers.PreTrainedModel", "_keys_to_ignore_on_save", "weights a checkpoint leaves out"),
+    PrivateName(
+        "transformers.models.wav2vec2.modeling_wav2vec2.Wav2Vec2PreTrainedModel",
+        "_get_feat_extract_output_lengths",
+        "each utterance's frames, for a CTC model that computes its loss inline",
+    ),
+    PrivateName(
+        "transformers.loss.loss_lw_detr", "_is_torch_distributed_initialized", "LW-DETR's box count (guarded)"
+    ),
+    PrivateName("transformers.TrainingArguments", "_setup_devices", "the emulation sets up devices, then n_gpu"),
+    PrivateName("transformers.TrainingArguments", "_n_gpu", "what n_gpu reads", "transformers.training_args"),
+    # accelerate
+    PrivateName("accelerate.state.PartialState", "_shared_state", "cpu_as_accelerator comes too late once it exists"),
 )
 
 

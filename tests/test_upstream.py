@@ -3,6 +3,7 @@ upgrade of transformers or accelerate that changes one fails here, by name, inst
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 
@@ -21,6 +22,7 @@ from hf_parallel.upstream import (
     INSTANCE_ATTRIBUTES,
     NOT_OVERRIDDEN,
     PRIVATE_ATTRIBUTES,
+    PRIVATE_NAMES,
     TRAINING_ATTRIBUTES,
     temporarily,
 )
@@ -164,3 +166,83 @@ def test_ci_checks_the_releases_the_table_names():
     for transformers_version, accelerate_version in CHECKED_IN:
         assert f"transformers=={transformers_version}" in run or transformers_version == CHECKED_IN[-1][0], run
         assert f"accelerate=={accelerate_version}" in run or accelerate_version == CHECKED_IN[-1][1]
+
+
+# ---- Private names of torch, DeepSpeed, transformers and accelerate ----
+
+
+def _resolve(path: str):
+    """The module or class a dotted path names: the longest importable module, then attributes."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for part in parts[split:]:
+            found = getattr(found, part)
+        return found
+    raise ImportError(path)
+
+
+@pytest.mark.parametrize("row", PRIVATE_NAMES, ids=[f"{row.owner}.{row.name}" for row in PRIVATE_NAMES])
+def test_private_names_we_rely_on_exist(row):
+    if row.owner.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed's rows are checked where it is installed (CI's first env)")
+    if row.owner == "transformers.loss.loss_lw_detr":
+        pytest.importorskip(row.owner, reason="a release without LW-DETR; the code guards the import")
+    if row.source is not None:
+        source = inspect.getsource(_resolve(row.source))
+        assert row.name in source, f"{row.source} no longer uses {row.name} ({row.why})"
+    else:
+        assert hasattr(_resolve(row.owner), row.name), f"{row.owner}.{row.name} is gone ({row.why})"
+
+
+# Private names any Python object of these kinds has (NamedTuple's documented API, os._exit).
+_PYTHON = {"_fields", "_make", "_replace", "_asdict", "_exit"}
+
+
+def _private_uses() -> dict[str, list[str]]:
+    """
+    Every `_`-prefixed name hf_parallel reaches on an object other than its own `self`, `cls` or `super()`: attributes,
+    names imported from other packages, and names given to getattr / hasattr / setattr / delattr; by name, where.
+    """
+    package = ROOT / "hf_parallel"
+    uses: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute):
+                base = node.value
+                own = (isinstance(base, ast.Name) and base.id in ("self", "cls")) or (
+                    isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+                )
+                name = None if own else node.attr
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                for alias in node.names:
+                    if alias.name.startswith("_") and not node.module.startswith("hf_parallel"):
+                        uses.setdefault(alias.name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+                if node.func.id in ("getattr", "hasattr", "setattr", "delattr"):
+                    argument = node.args[1]
+                    name = argument.value if isinstance(argument, ast.Constant) else None
+            if isinstance(name, str) and name.startswith("_") and not name.startswith("__"):
+                uses.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return uses
+
+
+def test_every_private_name_of_another_library_is_in_the_contract():
+    contract = (
+        {row.name for row in PRIVATE_NAMES}
+        | {part for row in PRIVATE_NAMES for part in row.owner.split(".") if part.startswith("_")}
+        | {name for _, name, _ in (*PRIVATE_ATTRIBUTES, *IMPORTED_NAMES, *INSTANCE_ATTRIBUTES, *TRAINING_ATTRIBUTES)}
+        | {hook.name for hook in HOOKS}
+        | {name for name, _, _ in CALLED}
+    )
+    # hf_parallel's own marks on objects it does not own (a wrapper's forward, a module, a dataloader's stream).
+    marks = {name for name in _private_uses() if name.startswith("_hf_parallel")}
+    outside = {name: where for name, where in _private_uses().items() if name not in contract | marks | _PYTHON}
+    assert not outside, (
+        "private names reached on objects that are not the code's own, outside hf_parallel/upstream.py's contract "
+        f"(add a row with a test, use a public name, or make hf_parallel's own name public): {outside}"
+    )

@@ -61,6 +61,8 @@ class ExactLoss:
         router_balance (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a MoE router's
             load-balancing term over the whole step (`"step"`, a first pass without gradient) or each micro-batch's,
             averaged (`"micro_batch"`); see `hf_parallel.exact.heads.router`.
+        process_group (`ProcessGroup`, *optional*): the group of the `num_processes` processes, which every collective
+            of a step goes through (its engine's); None for the default group.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class ExactLoss:
         contrastive_negatives: str = "step",
         gather_embeddings: Callable[[Any], Any] | None = None,
         router_balance: str = "step",
+        process_group=None,
     ):
         if contrastive_negatives not in CONTRASTIVE_NEGATIVES:
             raise ValueError(
@@ -91,7 +94,7 @@ class ExactLoss:
         self.num_processes = num_processes
         #: The engine the steps run on (`hf_parallel.exact.engine`): its ranks' counts add up, its gradient factor
         #: scales S / C. One process or DDP from `num_processes` until the caller picks the run's own.
-        self.engine = pick_engine(num_processes, reduce_sum=reduce_sum)
+        self.engine = pick_engine(num_processes, reduce_sum=reduce_sum, group=process_group)
         self.reduce_sum = reduce_sum
         self.gather_rows = gather_rows or (lambda rows: rows)
         self.unwrap = unwrap or (lambda model: model)
@@ -205,7 +208,7 @@ class ExactLoss:
             self._warned.add(message)
             logger.warning(message)
 
-    def usable(self, head: LossHead | None, batches: list[dict]) -> bool:
+    def labels_present(self, head: LossHead | None, batches: list[dict]) -> bool:
         """Whether `head` applies to every batch; warns once when a batch lacks its labels."""
         if head is None:
             return False

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .compare import tolerance
@@ -48,7 +47,7 @@ from .heads.contrastive import ContrastiveHead
 from .remainder import REAL_ROWS_KEY
 from .replicas import run_in_replicas
 
-__all__ = ["CONTRASTIVE_NEGATIVES", "all_gather_rows", "contrastive_loss"]
+__all__ = ["CONTRASTIVE_NEGATIVES", "contrastive_loss"]
 
 #: The values of `TrainingArguments.contrastive_negatives`: "step", every row of the optimizer step (exact);
 #: "micro_batch", the rows of each micro-batch (over every device), as stock's gradient accumulation has them.
@@ -128,8 +127,7 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
         loss = head.variant.loss(source, text_all, other_all)
         exact.add_evaluation_loss(head, loss)
         return loss, _outputs(head, text, other, return_outputs)
-    world = exact.num_processes
-    loss = head.variant.loss(source, *(_everyones(part, world) for part in (text, other)))
+    loss = head.variant.loss(source, *(_everyones(part, exact.engine) for part in (text, other)))
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
 
 
@@ -137,9 +135,7 @@ def _gathered(exact, text: torch.Tensor, other: torch.Tensor) -> tuple[torch.Ten
     """Every rank's evaluation rows, each once: by the caller's `gather_embeddings`, else as they are (padding cut)."""
     if exact.gather_embeddings is not None:
         return exact.gather_embeddings((text, other))
-    if exact.num_processes == 1:
-        return text, other
-    return torch.cat(all_gather_rows(text)), torch.cat(all_gather_rows(other))
+    return torch.cat(exact.engine.gather_rows(text)), torch.cat(exact.engine.gather_rows(other))
 
 
 def _model_inputs(inputs: dict) -> tuple[dict, int | None]:
@@ -166,8 +162,7 @@ def _verdict(exact, owner, head, own: torch.Tensor, recomputed: torch.Tensor, st
     misses = ((recomputed - own.detach()).abs() > bound) | own.isnan() | recomputed.isnan()
     votes = torch.stack([misses.double().sum(), own.detach().double().nan_to_num(0).sum()])
     votes = torch.cat([votes, recomputed.double().nan_to_num(0).sum().reshape(1), torch.ones(1, dtype=torch.float64)])
-    if exact.num_processes > 1:
-        votes = exact.reduce_sum(votes.to(own.device))
+    votes = exact.engine.add_counts(votes.to(own.device))  # over the engine's ranks
     state["checked"] = True
     if float(votes[0]) == 0:
         return True
@@ -195,32 +190,17 @@ class _ScaleGradient(torch.autograd.Function):
         return gradient * ctx.scale, None
 
 
-def _everyones(own: torch.Tensor, world: int) -> torch.Tensor:
+def _everyones(own: torch.Tensor, engine) -> torch.Tensor:
     """
-    The rows of every rank, in rank order, this rank's with their graph and a gradient scaled by `world` (which DDP's
-    averaging divides again); `own` itself in one process. Ranks may hold different numbers of rows.
+    The rows of every rank of the `engine`'s group, in rank order, this rank's with their graph and a gradient
+    scaled by their number (which DDP's averaging divides again); `own` itself in one process. Ranks may hold
+    different numbers of rows.
     """
-    if world == 1:
+    if engine.count_ranks == 1:
         return own
-    gathered = all_gather_rows(own.detach())
-    rank = dist.get_rank()
-    parts = list(gathered)
-    parts[rank] = _ScaleGradient.apply(own, float(world))
+    parts = engine.gather_rows(own.detach())
+    parts[engine.rank] = _ScaleGradient.apply(own, float(engine.count_ranks))
     return torch.cat(parts)
-
-
-def all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's `tensor` (the same trailing shape, any number of rows), in rank order; without gradient."""
-    world = dist.get_world_size()
-    rows = torch.tensor([tensor.shape[0]], device=tensor.device)
-    sizes = [torch.zeros_like(rows) for _ in range(world)]
-    dist.all_gather(sizes, rows)
-    most = int(max(size.item() for size in sizes))
-    padded = tensor.new_zeros((most, *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded.contiguous())
-    return [part[: int(size.item())] for part, size in zip(gathered, sizes, strict=True)]
 
 
 def _outputs(head: ContrastiveHead, text: torch.Tensor, other: torch.Tensor, wanted: bool):
@@ -281,9 +261,8 @@ def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cac
     text = torch.cat(texts).requires_grad_(True)
     other = torch.cat(others).requires_grad_(True)
     parameters = [getattr(source, name) for name in head.variant.parameters]
-    world = exact.num_processes
     with torch.enable_grad():
-        everyone = [_everyones(part, world) for part in (text, other)]
+        everyone = [_everyones(part, exact.engine) for part in (text, other)]
         loss = head.variant.loss(source, *everyone)
         # The rows' gradients come out x world (`_everyones`), ready for DDP's averaging.
         gradients = torch.autograd.grad(loss, [text, other, *parameters])

@@ -1,10 +1,10 @@
 """
 The engines a training step runs on, each declared once: which ranks' item counts add up to the step's count C, the
-factor its gradient combination needs (S / C times it), how its loss is valued for the log, and which rooms of the
+factor its gradient combination needs (S / C times it), the value its loss is logged as, and which parts of the
 package it needs (DataParallel replicas, the padded last step of a DDP epoch, sequence shards). A run picks its engine
 once, at its first step (`pick_engine`); the step reads it, and no micro-batch asks again.
 
-| engine | counts added over | gradient factor | logged as | rooms |
+| engine | counts added over | gradient factor | logged as | needs |
 |---|---|---|---|---|
 | one process | this process | 1 | the loss | |
 | DataParallel replicas | this process (the replicas' rows) | 1 | the loss | replicas |
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["Engine", "pick_engine"]
 
@@ -42,7 +44,7 @@ class Engine:
             (`reduce_sum` adds them).
         gradient_factor (`int`, *optional*, defaults to 1): each rank back-propagates S / C times this.
         log_ranks (`int`, *optional*, defaults to 1): the ranks the Trainer's logged loss is a mean over; a rank's
-            loss is valued x `log_ranks / gradient_factor` for the log (its gradient unchanged).
+            loss is logged x `log_ranks / gradient_factor` (its gradient unchanged).
         replicas (`bool`, *optional*): the forward runs in `nn.DataParallel` replicas (`hf_parallel.exact.replicas`).
         pads_epoch_end (`bool`, *optional*): accelerate fills an epoch's last global batch with repeated rows, to be
             told apart (`hf_parallel.exact.remainder`).
@@ -51,6 +53,8 @@ class Engine:
             group): added over every rank, their counts are divided by it, and a rank's share of the data is
             `process_index // data_replicas`.
         reduce_sum (`Callable`, *optional*): sums a tensor over the `count_ranks` processes.
+        group (`ProcessGroup`, *optional*): their process group, which every collective of a step goes through
+            (`reduce_sum`, `gather_rows`); None for the default group.
     """
 
     name: str
@@ -62,6 +66,28 @@ class Engine:
     shards_sequence: bool = False
     data_replicas: int = 1
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    group: Any = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the `count_ranks` processes (0 in one process)."""
+        return dist.get_rank(self.group) if self.count_ranks > 1 else 0
+
+    def gather_rows(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (the same trailing shape, any number of rows) over the engine's `group`, in rank
+        order, without gradient; `[tensor]` in one process."""
+        if self.count_ranks <= 1:
+            return [tensor]
+        world = dist.get_world_size(self.group)
+        rows = torch.tensor([tensor.shape[0]], device=tensor.device)
+        sizes = [torch.zeros_like(rows) for _ in range(world)]
+        dist.all_gather(sizes, rows, group=self.group)
+        most = int(max(size.item() for size in sizes))
+        padded = tensor.new_zeros((most, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded.contiguous(), group=self.group)
+        return [part[: int(size.item())] for part, size in zip(gathered, sizes, strict=True)]
 
     def add_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """`counts` (or any per-rank totals) added over the `count_ranks` processes, each batch's once."""
@@ -72,8 +98,8 @@ class Engine:
             return added
         return added / self.data_replicas if added.is_floating_point() else added // self.data_replicas
 
-    def valued(self, loss: torch.Tensor) -> torch.Tensor:
-        """A rank's loss, valued for the log as one DDP rank's share of the step (its gradient unchanged)."""
+    def as_logged(self, loss: torch.Tensor) -> torch.Tensor:
+        """A rank's loss with the value the log expects of one rank's share of the step (its gradient unchanged)."""
         if self.log_ranks == self.gradient_factor:
             return loss
         return loss + loss.detach() * (self.log_ranks / self.gradient_factor - 1)
@@ -89,6 +115,7 @@ def pick_engine(
     deepspeed_version: tuple[int, ...] | None = None,
     tensor_parallel: int = 1,
     name: str | None = None,
+    group: Any = None,
 ) -> Engine:
     """
     The engine of a run, from what it was launched with.
@@ -104,6 +131,7 @@ def pick_engine(
             (its ranks hold the same batch).
         name (`str`, *optional*): what the ranks run, for messages (accelerate's distributed type: `MULTI_GPU`,
             `FSDP`, ...); `DDP` when not given.
+        group (`ProcessGroup`, *optional*): the processes' group (`Engine.group`); None for the default group.
 
     ```python
     from hf_parallel.exact.engine import pick_engine
@@ -123,18 +151,27 @@ def pick_engine(
         averages_all = deepspeed_stage == 3 and (deepspeed_version or (0,)) < _ZERO3_ADDS_SP_FROM
         factor = processes if averages_all else processes // sequence_parallel
         name = f"DeepSpeed ZeRO-{deepspeed_stage} with Ulysses sequence parallelism x{sequence_parallel}"
-        return Engine(name, processes, factor, processes, shards_sequence=True, reduce_sum=reduce_sum)
+        return Engine(name, processes, factor, processes, shards_sequence=True, reduce_sum=reduce_sum, group=group)
     if tensor_parallel > 1:
         if processes % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {processes} processes.")
         data = processes // tensor_parallel
         name = f"tensor parallel x{tensor_parallel}" + (f" with {data} data-parallel ranks" if data > 1 else "")
         return Engine(
-            name, processes, data, data, pads_epoch_end=True, data_replicas=tensor_parallel, reduce_sum=reduce_sum
+            name,
+            processes,
+            data,
+            data,
+            pads_epoch_end=True,
+            data_replicas=tensor_parallel,
+            reduce_sum=reduce_sum,
+            group=group,
         )
     if deepspeed_stage is not None:
         name = f"DeepSpeed ZeRO-{deepspeed_stage}"
-    return Engine(name or "DDP", processes, processes, processes, pads_epoch_end=True, reduce_sum=reduce_sum)
+    return Engine(
+        name or "DDP", processes, processes, processes, pads_epoch_end=True, reduce_sum=reduce_sum, group=group
+    )
 
 
 _ZERO3_ADDS_SP_FROM = (0, 20, 2)

@@ -433,10 +433,10 @@ class _ReplicasReport(Reporting):
             "whole batch's logits are gathered on the first device)."
             + (" The model's own loss is not checked against the head." if checked else "")
         )
-        return self.run.plain(_Returned(returned), self.inputs, self.labels)
+        return self.run.plain(_AlreadyCalled(returned), self.inputs, self.labels)
 
 
-class _Returned:
+class _AlreadyCalled:
     """Stands for a model already called: returns `outputs` whatever it is given."""
 
     def __init__(self, outputs: Any):

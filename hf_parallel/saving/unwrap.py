@@ -211,7 +211,9 @@ def _split_settings_from(wrapper: nn.Module, args):
                 )
             args = copy.copy(args)  # the caller's object may serve another Trainer with a bare model
             setattr(args, name, wanted)
-            args._validate_hf_parallel_fields()
+            from ..training_args import validate_hf_parallel_fields  # here: the arguments' module imports this package
+
+            validate_hf_parallel_fields(args)
             logger.info(f"Using {name}={wanted} from the {type(wrapper).__name__} the model was passed in.")
         elif current != wanted:
             raise ValueError(

@@ -82,7 +82,8 @@ class Emulation:
     gathered_bytes: list[int] = field(default_factory=list)
     replica_devices: list[int] = field(default_factory=list)
     autocast_dtypes: list[torch.dtype | None] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: Guards the records, which the replica threads append to.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def check_devices(self, devices: Sequence[int]) -> None:
         bad = [d for d in devices if not 0 <= d < self.n_devices]
@@ -268,7 +269,7 @@ class _CudaLikeAmp:
         if device_type == "cuda":
             kwargs.setdefault("dtype", torch.get_autocast_dtype("cuda"))
             device_type = "cpu"
-        with self._emulation._lock:
+        with self._emulation.lock:
             self._emulation.autocast_dtypes.append(kwargs["dtype"] if enabled else None)
         return torch.autocast(device_type, enabled=enabled, **kwargs)
 

@@ -29,7 +29,7 @@ def test_ddp_fsdp_and_zero_add_every_rank_and_undo_the_average():
         assert (engine.count_ranks, engine.gradient_factor, engine.log_ranks) == (4, 4, 4)
         assert engine.pads_epoch_end and engine.reduce_sum is _sum
         loss = torch.tensor(0.25, requires_grad=True)
-        assert engine.valued(loss) is loss  # logged as it is back-propagated
+        assert engine.as_logged(loss) is loss  # logged as it is back-propagated
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_ulysses_scales_by_its_data_parallel_ranks_and_logs_the_whole(stage, ver
     assert (engine.count_ranks, engine.gradient_factor, engine.log_ranks) == (4, factor, 4)
     assert engine.shards_sequence and not engine.pads_epoch_end
     loss = torch.tensor(0.5, requires_grad=True)
-    valued = engine.valued(loss)
+    valued = engine.as_logged(loss)
     assert valued.item() == pytest.approx(0.5 * 4 / factor)
     valued.backward()
     assert loss.grad.item() == 1.0  # the gradient of the share, unchanged

@@ -305,12 +305,6 @@ class LossHead:
     def num_terms(self) -> int:
         return len(self.weights)
 
-    @property
-    def needs_more_than_a_forward(self) -> bool:
-        """Whether a micro-batch's loss needs more than one forward and the head's sums: a loss over the whole
-        step's rows, a router term, or what the model passes to its own loss call (the steady step is one forward)."""
-        return self.batch_coupled or self.router is not None or self.loss_call is not None
-
     def has_labels(self, batch) -> bool:
         """Whether `batch` holds every label key of this head."""
         return all(key in batch for key in self.label_keys)
