@@ -56,6 +56,7 @@ from .exact import (
     micro_batch_loss,
     pick_engine,
     replica_autocast,
+    sum_over_ranks,
 )
 from .launch.validation import check_whole_number
 from .saving.unwrap import unwrap_model
@@ -127,7 +128,7 @@ class ExactLoop:
             num_processes=processes,
             reduce_sum=reduce_sum,
             # Padding rows are masked before the forward here, so the evaluation adds rows over ranks, all of them.
-            gather_rows=lambda rows: self.exact.sum_over_ranks(rows[0].sum(0), rows[1].sum(0)),
+            gather_rows=lambda rows: sum_over_ranks(rows[0].sum(0), rows[1].sum(0), self.exact.engine),
             unwrap=unwrap,
             fallback=_LOOP_FALLBACK,
             process_group=process_group,
@@ -209,7 +210,7 @@ class ExactLoop:
         self.run_on(model)
         padding = self._padding(dataloader, "the evaluation dataloader")
         stock: list[torch.Tensor] = []
-        self.exact.start_evaluation(keep_outputs=False)
+        self.exact.evaluation.start(keep_outputs=False)
         try:
             with torch.no_grad():
                 for batch in dataloader:
@@ -222,7 +223,7 @@ class ExactLoop:
                     batch = padding.mark(head, [dict(batch)], end)[0]
                     micro_batch_loss(self.exact, model, head, batch, None, self.run_context())
         finally:
-            exact = self.exact.finish_evaluation()
+            exact = self.exact.evaluation.finish(self.exact.engine)
             model.train(was_training)
         if exact is not None:
             return exact

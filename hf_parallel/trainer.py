@@ -11,17 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
-import warnings
 from typing import Any
 
 import torch
 import transformers
 from accelerate.utils import DistributedType
 from torch import nn
-from transformers.trainer import SCHEDULER_NAME
 from transformers.training_args import ParallelMode
-from transformers.utils import is_sagemaker_mp_enabled, logging
+from transformers.utils import logging
 
 from .callbacks import Gpu0BszAdvisorCallback
 from .data_parallel import balanced_wrapper, with_exact_replicas
@@ -55,98 +52,24 @@ from .launch.guards import (
 )
 from .launch.prepared import unmark_evaluation_prepare
 from .launch.teardown import track_trainer
-from .saving.checkpoints import load_state_dict, plain_weights_checkpoint
-from .saving.resume import check_checkpoint_engine, resolve_resume, seed_rank_without_state
-from .saving.sharded import is_sharded_at_load, load_optimizer_any_layout, save_sharded_optimizer
-from .saving.staging import data_parallel_processes, staged_checkpoint
-from .saving.unwrap import clean_state_dict, has_wrapper_prefixes, unwrap_model, unwrap_user_model
+from .saving.overrides import CheckpointOverrides
+from .saving.resume import check_checkpoint_engine, resolve_resume
+from .saving.sharded import is_sharded_at_load
+from .saving.staging import data_parallel_processes
+from .saving.unwrap import unwrap_model, unwrap_user_model
 from .training_args import Seq2SeqTrainingArguments, TrainingArguments, with_hf_parallel_fields
 from .upstream import temporarily
 
 logger = logging.get_logger(__name__)
 
 
-class TrainerMixin:
+class ExactLossOverrides:
     """
-    hf_parallel for any `transformers.Trainer` subclass: exact losses under DataParallel, DDP and gradient
-    accumulation, balanced DataParallel, clean checkpoints, launch guards. Put it first in the bases:
-
-    ```python
-    from trl import SFTTrainer
-    from hf_parallel import TrainerMixin
-
-    class ParallelSFTTrainer(TrainerMixin, SFTTrainer):
-        pass
-    ```
-
-    The subclass's arguments class is kept (a TRL config stays a TRL config, with hf_parallel's settings set on it
-    at their defaults); a subclass that computes its own loss (any class in the MRO that overrides `compute_loss`)
-    keeps it, with one warning that says so.
+    The Trainer's hooks of the exact loss (`hf_parallel.exact`), a base of `TrainerMixin`: `get_batch_samples` counts
+    each step, `training_step` and `compute_loss` compute each micro-batch's share of it, `evaluation_loop` gives
+    `eval_loss` over the whole set. `self.exact` (an `ExactLoss`) is made by `TrainerMixin.__init__`.
     """
 
-    #: The arguments class this Trainer builds when given none, and upgrades an object of its stock base to; None
-    #: for a subclass that builds its own arguments (then they are kept, with hf_parallel's settings added).
-    args_class: type | None = None
-
-    def __init__(self, *positional, **kwargs):
-        # Bound to the subclass's own signature: TRL's DPOTrainer and KTOTrainer take `ref_model` second and
-        # GRPOTrainer and RLOOTrainer `reward_funcs`, so `args` is not always the second parameter.
-        call = _bind_trainer_init(type(self), positional, kwargs)
-        model, args = call.arguments.get("model"), call.arguments.get("args")
-        given = args
-        if args is None and self.args_class is not None:
-            args = self.args_class(output_dir="trainer_output")
-        args = with_hf_parallel_fields(args, self.args_class)
-        # A model the user already wrapped in DataParallel/DDP: stock then trains on empty batches and writes
-        # `module.`-prefixed checkpoints. Take the model out (a BalancedDataParallel's split moves into the args).
-        if args is not None:
-            model, args = unwrap_user_model(model, args)
-            check_pipeline(model)  # stock stops inside its first step's preparation
-            # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
-            # args.world_size sets up the devices and the process group, which is what the guards inspect.
-            check_launch(args)
-        # A model sharded at load time: stock refuses to checkpoint its optimizer state; hf_parallel writes it
-        # (saving.sharded), so stock's check is told the run saves the model only while it is made.
-        keeps_state = args is not None and is_sharded_at_load(model) and not args.save_only_model
-        call.arguments.update(model=model, args=args)
-        with temporarily(args, "save_only_model", True) if keeps_state else contextlib.nullcontext():
-            super().__init__(*call.args[1:], **call.kwargs)  # args[0] is the placeholder bound to `self`
-        if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
-            self.args = args = with_hf_parallel_fields(self.args, None, like=given)
-            check_launch(args)
-        check_sharding(self.args, self.accelerator)  # fsdp / deepspeed asked for, DDP or one process running
-        if args.world_size > 1:
-            # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
-            track_trainer(self)
-        distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type != DistributedType.NO
-        self.exact = ExactLoss(
-            enabled=self.args.exact_loss,
-            label_names=self.label_names,
-            label_smoothing=self.args.label_smoothing_factor,
-            num_processes=self.accelerator.num_processes if distributed else 1,
-            reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
-            gather_rows=lambda rows: gather_samples(self.accelerator, rows),
-            unwrap=self.accelerator.unwrap_model,
-            contrastive_negatives=self.args.contrastive_negatives,
-            router_balance=self.args.router_balance,
-            gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
-        )
-        #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
-        #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock
-        #: code gets as `num_items_in_batch`.
-        self._engine: Engine | None = None
-        self._run_context: RunContext | None = None
-        self._counted_step: StepCounts | None = None
-        #: The run's head once no check can change it (then no step asks the head cache again).
-        self._settled_head: LossHead | None = None
-        if args.exact_loss and not args.average_tokens_across_devices:
-            logger.warning(
-                "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
-                "divides by the item count of the whole step, over every device. Set exact_loss=False for the stock "
-                "behaviour."
-            )
-
-    # ---- Exact loss (the arithmetic lives in hf_parallel.exact) ----
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
         return self.exact.head(
@@ -268,7 +191,7 @@ class TrainerMixin:
             count = num_items_in_batch
             with stock_replica_precision(model, self.accelerator.mixed_precision):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
-        if step is None and self.exact.evaluating:
+        if step is None and self.exact.evaluation.running:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
@@ -298,13 +221,13 @@ class TrainerMixin:
         self._count_samples(dataloader, dataset_name)
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
-        self.exact.start_evaluation(keep_outputs=not prediction_loss_only)
+        self.exact.evaluation.start(self.args.exact_loss, keep_outputs=not prediction_loss_only)
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
-            exact = self.exact.finish_evaluation()
+            exact = self.exact.evaluation.finish(self.exact.engine)
         if exact is not None:
             # Stock reports the mean of per-batch means; this is sum of losses / sum of items over the whole set.
             output.metrics[f"{metric_key_prefix}_loss"] = exact
@@ -325,6 +248,94 @@ class TrainerMixin:
         if cannot is not None:
             self.exact.warn_once(cannot)
 
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        if self.args.exact_loss and self.accelerator.num_processes > 1:
+            # Stock adds this rank's not-yet-logged loss to `train_loss` as it is: each rank would then report its own
+            # share. Logging averages over ranks first; do the same for the remainder.
+            self._tr_loss.copy_(self.accelerator.reduce(self._tr_loss.detach().clone(), reduction="mean"))
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+
+class TrainerMixin(ExactLossOverrides, CheckpointOverrides):
+    """
+    hf_parallel for any `transformers.Trainer` subclass: exact losses under DataParallel, DDP and gradient
+    accumulation, balanced DataParallel, clean checkpoints, launch guards. Put it first in the bases:
+
+    ```python
+    from trl import SFTTrainer
+    from hf_parallel import TrainerMixin
+
+    class ParallelSFTTrainer(TrainerMixin, SFTTrainer):
+        pass
+    ```
+
+    The subclass's arguments class is kept (a TRL config stays a TRL config, with hf_parallel's settings set on it
+    at their defaults); a subclass that computes its own loss (any class in the MRO that overrides `compute_loss`)
+    keeps it, with one warning that says so.
+    """
+
+    #: The arguments class this Trainer builds when given none, and upgrades an object of its stock base to; None
+    #: for a subclass that builds its own arguments (then they are kept, with hf_parallel's settings added).
+    args_class: type | None = None
+
+    def __init__(self, *positional, **kwargs):
+        # Bound to the subclass's own signature: TRL's DPOTrainer and KTOTrainer take `ref_model` second and
+        # GRPOTrainer and RLOOTrainer `reward_funcs`, so `args` is not always the second parameter.
+        call = _bind_trainer_init(type(self), positional, kwargs)
+        model, args = call.arguments.get("model"), call.arguments.get("args")
+        given = args
+        if args is None and self.args_class is not None:
+            args = self.args_class(output_dir="trainer_output")
+        args = with_hf_parallel_fields(args, self.args_class)
+        # A model the user already wrapped in DataParallel/DDP: stock then trains on empty batches and writes
+        # `module.`-prefixed checkpoints. Take the model out (a BalancedDataParallel's split moves into the args).
+        if args is not None:
+            model, args = unwrap_user_model(model, args)
+            check_pipeline(model)  # stock stops inside its first step's preparation
+            # Launch guards, before super().__init__ moves the model, so that a mis-launch stops here. Reading
+            # args.world_size sets up the devices and the process group, which is what the guards inspect.
+            check_launch(args)
+        # A model sharded at load time: stock refuses to checkpoint its optimizer state; hf_parallel writes it
+        # (saving.sharded), so stock's check is told the run saves the model only while it is made.
+        keeps_state = args is not None and is_sharded_at_load(model) and not args.save_only_model
+        call.arguments.update(model=model, args=args)
+        with temporarily(args, "save_only_model", True) if keeps_state else contextlib.nullcontext():
+            super().__init__(*call.args[1:], **call.kwargs)  # args[0] is the placeholder bound to `self`
+        if self.args is not args:  # the subclass built or rebuilt its own arguments (TRL rebuilds its config)
+            self.args = args = with_hf_parallel_fields(self.args, None, like=given)
+            check_launch(args)
+        check_sharding(self.args, self.accelerator)  # fsdp / deepspeed asked for, DDP or one process running
+        if args.world_size > 1:
+            # Release the DDP wrapper before interpreter exit, where its destruction can abort the process.
+            track_trainer(self)
+        distributed = self.accelerator.num_processes > 1 and self.accelerator.distributed_type != DistributedType.NO
+        self.exact = ExactLoss(
+            enabled=self.args.exact_loss,
+            label_names=self.label_names,
+            label_smoothing=self.args.label_smoothing_factor,
+            num_processes=self.accelerator.num_processes if distributed else 1,
+            reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
+            gather_rows=lambda rows: gather_samples(self.accelerator, rows),
+            unwrap=self.accelerator.unwrap_model,
+            contrastive_negatives=self.args.contrastive_negatives,
+            router_balance=self.args.router_balance,
+            gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
+        )
+        #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
+        #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock
+        #: code gets as `num_items_in_batch`.
+        self._engine: Engine | None = None
+        self._run_context: RunContext | None = None
+        self._counted_step: StepCounts | None = None
+        #: The run's head once no check can change it (then no step asks the head cache again).
+        self._settled_head: LossHead | None = None
+        if args.exact_loss and not args.average_tokens_across_devices:
+            logger.warning(
+                "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
+                "divides by the item count of the whole step, over every device. Set exact_loss=False for the stock "
+                "behaviour."
+            )
+
     # ---- Balanced DataParallel (gpu0_bsz / gpu0_weight; the split lives in hf_parallel.data_parallel) ----
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         wrapped = balanced_wrapper(model, self.args, self.accelerator, training, self.model_accepts_loss_kwargs)
@@ -333,13 +344,6 @@ class TrainerMixin:
         wrapped = super()._wrap_model(model, training, dataloader)
         # Stock's nn.DataParallel gives a parameter no replica used a zero gradient, where one device gives None.
         return with_exact_replicas(wrapped) if self.args.exact_loss else wrapped
-
-    def _finalize_training(self, trial, num_train_samples, start_time):
-        if self.args.exact_loss and self.accelerator.num_processes > 1:
-            # Stock adds this rank's not-yet-logged loss to `train_loss` as it is: each rank would then report its own
-            # share. Logging averages over ranks first; do the same for the remainder.
-            self._tr_loss.copy_(self.accelerator.reduce(self._tr_loss.detach().clone(), reduction="mean"))
-        return super()._finalize_training(trial, num_train_samples, start_time)
 
     def train(
         self,
@@ -379,72 +383,6 @@ class TrainerMixin:
         """Before DeepSpeed's engine starts: refuse a model it would crash on; under ZeRO-3, saves that gather."""
         if self.is_deepspeed_enabled:
             before_engine(unwrap_model(self.model), self.accelerator.state.deepspeed_plugin.zero_stage)
-
-    # ---- Saving and loading: no wrapper prefixes in checkpoints (the logic: hf_parallel.saving) ----
-    def _save_checkpoint(self, model: nn.Module, trial) -> None:
-        # Stock's save, into a staging folder renamed to checkpoint-N once every process has written it: a kill
-        # mid-save leaves the last complete checkpoint in place, and rotation runs only after the new one is complete.
-        staged_checkpoint(self, model, trial, super()._save_checkpoint)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not is_sharded_at_load(self.model):
-            return super()._save_optimizer_and_scheduler(output_dir)
-        # Sharded at load time: each rank writes its shards of the optimizer state (any layout reads them back).
-        save_sharded_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)
-        if self.args.should_save:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch's "please also save the optimizer state"
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        # A sharded model's optimizer state into any layout, a plain run's into a sharded model; else stock's.
-        if checkpoint is None or self.is_deepspeed_enabled:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        groups = load_optimizer_any_layout(self.model, self.optimizer, checkpoint)
-        if groups is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
-            saved = torch.load(scheduler, weights_only=True)
-            self.lr_scheduler.load_state_dict(groups.scheduler_state(saved, self.lr_scheduler.state_dict()))
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        # A rank the checkpoint has no random state for (another number of processes wrote it) gets a defined one.
-        if not seed_rank_without_state(self.args, checkpoint, self.state.global_step):
-            super()._load_rng_state(checkpoint)
-
-    def _sharded_state(self) -> bool:
-        return self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled()
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        inner = unwrap_model(self.model) if isinstance(self.model, nn.Module) else self.model
-        prefixed = state_dict is not None and has_wrapper_prefixes(state_dict.keys(), inner)
-        if inner is self.model and not prefixed:
-            return super()._save(output_dir, state_dict)
-        # self.model is a wrapper (a user-compiled model, a model_init returning one): stock would write its
-        # `_orig_mod.` / `module.` keys, which from_pretrained silently skips. Save the inner model instead.
-        if state_dict is not None:
-            state_dict = clean_state_dict(state_dict, inner)
-        with temporarily(self, "model", inner):
-            super()._save(output_dir, state_dict)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if model is None:
-            model = self.model
-        if not plain_weights_checkpoint(resume_from_checkpoint, model, self._sharded_state()):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        # Stock loads with strict=False into the model as it is: a checkpoint with `module.` keys (an older run,
-        # a user-wrapped model) then resumes from random weights with only a warning. Match keys across wrappers,
-        # and fail loudly on anything else.
-        logger.info(f"Loading model from {resume_from_checkpoint}.")
-        load_state_dict(model, resume_from_checkpoint, strict=True)
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if not plain_weights_checkpoint(best, self.model, self._sharded_state()):
-            return super()._load_best_model()
-        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
-        load_state_dict(self.model, best, strict=True)
 
 
 class Trainer(TrainerMixin, transformers.Trainer):
@@ -525,4 +463,4 @@ def _loss_and_outputs(loss: torch.Tensor, outputs: Any, return_outputs: bool):
 
 
 # The classes whose compute_loss is the exact loss or the stock one it falls back to.
-_OUR_LOSS_CLASSES = (TrainerMixin, transformers.Trainer)
+_OUR_LOSS_CLASSES = (ExactLossOverrides, TrainerMixin, transformers.Trainer)

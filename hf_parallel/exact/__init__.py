@@ -48,6 +48,7 @@ from .check import MAX_CHECKS, ModelLossCheck
 from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import ExactLoss
 from .engine import Engine, pick_engine
+from .evaluation import EvalTotals, Evaluation, sum_over_ranks
 from .fallback import stock_compute_loss, stock_training_step
 from .heads import (
     IGNORE_INDEX,
@@ -74,7 +75,7 @@ from .replicas import (
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .step import RunContext, StepCounts, count_step, micro_batch_loss, pull_batches
 from .streams import count_samples, gather_samples
-from .terms import EvalTotals, Terms, batch_device
+from .terms import Terms, batch_device
 
 __all__ = [
     "AUTOCAST_DTYPES",
@@ -85,6 +86,7 @@ __all__ = [
     "Engine",
     "EpochEnd",
     "EvalTotals",
+    "Evaluation",
     "ExactLoss",
     "LoopPadding",
     "LossHead",
@@ -122,5 +124,6 @@ __all__ = [
     "stock_compute_loss",
     "stock_replica_precision",
     "stock_training_step",
+    "sum_over_ranks",
     "token_losses",
 ]

@@ -22,12 +22,13 @@ from transformers.utils import logging
 from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
 from .engine import pick_engine
+from .evaluation import Evaluation
 from .fallback import FALLBACK_NOTE
 from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
 from .remainder import EpochEnd, epoch_end, mark_padding
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, counting_head, resolve_head
-from .terms import EvalTotals, Terms, chosen_terms
+from .terms import Terms, chosen_terms
 
 __all__ = ["ExactLoss"]
 
@@ -37,7 +38,9 @@ logger = logging.get_logger("hf_parallel.exact")
 
 class ExactLoss:
     """
-    The exact loss of one Trainer: head choice, step counts, the loss, evaluation totals.
+    The exact loss's state of one run (a Trainer's, an `ExactLoop`'s): the head of each model and the fallback
+    warnings, the check of that head (`check`), the engine the steps run on (`engine`), and the evaluation
+    (`evaluation`). The step itself is `hf_parallel.exact.step`'s.
 
     Args:
         enabled (`bool`, *optional*, defaults to `True`): `TrainingArguments.exact_loss`.
@@ -96,7 +99,8 @@ class ExactLoss:
         #: scales S / C. One process or DDP from `num_processes` until the caller picks the run's own.
         self.engine = pick_engine(num_processes, reduce_sum=reduce_sum, group=process_group)
         self.reduce_sum = reduce_sum
-        self.gather_rows = gather_rows or (lambda rows: rows)
+        #: The evaluation of the run: its totals, how the ranks' rows are gathered (`hf_parallel.exact.evaluation`).
+        self.evaluation = Evaluation(gather_rows, gather_embeddings)
         self.unwrap = unwrap or (lambda model: model)
         self.fallback = fallback or (
             "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
@@ -104,17 +108,11 @@ class ExactLoss:
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self.contrastive_negatives = contrastive_negatives
         self.router_balance = router_balance
-        self.gather_embeddings = gather_embeddings
         #: Per model key, the state of a batch-coupled loss (`hf_parallel.exact.coupled`): checked, its cache.
         self.coupled: dict[tuple, dict] = {}
         #: The check of each model's head against the model's own loss.
         self.check = ModelLossCheck(reduce_sum if num_processes > 1 else None)
         self._warned: set[str] = set()
-        self._eval_totals: EvalTotals | None = None
-        #: Whether an evaluation is adding up its totals (between `start_evaluation` and `finish_evaluation`).
-        self.evaluating = False
-        #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
-        self.outputs_wanted = True
 
     # ---- Which head, or the stock loss ----
     def head(
@@ -238,46 +236,9 @@ class ExactLoss:
         if self.num_processes > 1:
             mark_padding(head, batches, end, process_index, pads, self.warn_once)
 
-    def add_to_evaluation(self, head: LossHead, terms: Terms) -> torch.Tensor:
-        """Add one evaluation forward's S and C (every replica's gathered) to the totals of the set; this batch's S /
-        C (and router term), as the loss of the batch."""
-        row_sums, row_counts = terms.sums, terms.counts
-        if self._eval_totals is not None:
-            if head.route is Route.MODEL_LOSS:
-                # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
-                self._eval_totals.add(head, *self.sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0)))
-            elif self.engine.data_replicas > 1:
-                # The ranks of a tensor-parallel group hold the same rows: gathering them would keep each several
-                # times, and cut an epoch's last batch by rows; each rank adds its own, padding rows masked before
-                # (the caller marks them), added over ranks once at the end (`finish_evaluation`).
-                router = terms.router.detach() if terms.router is not None else None
-                self._eval_totals.add(head, row_sums.detach(), row_counts, router)
-            elif terms.router is None:
-                # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
-                self._eval_totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))
-            else:
-                sums, counts, router = self.gather_rows((row_sums.detach(), row_counts, terms.router.detach()))
-                self._eval_totals.add(head, sums, counts, router)
-        loss = head.combine(row_sums.sum(0), row_counts.sum(0))
-        return loss if terms.router is None else loss + head.router.loss(terms.router.sum(0))
-
-    def add_evaluation_loss(self, head: LossHead, loss: torch.Tensor) -> None:
-        """Add the loss of one whole evaluation batch over every device (a loss over a batch's rows, not a sum over
-        them: `hf_parallel.exact.coupled`) to the totals, whose value is then the mean over batches."""
-        if self._eval_totals is not None:
-            self._eval_totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
-
     def forget_head(self, model: nn.Module) -> None:
         """The stock loss for `model` from now on (a check found its loss is not the head's; the caller warns)."""
         self._heads[self.key(model)] = (model, None)
-
-    def sum_over_ranks(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[1, terms]` sums and counts, each added over the DDP ranks (one collective)."""
-        if self.num_processes == 1:
-            return sums.reshape(1, -1), counts.reshape(1, -1)
-        both = self.engine.add_counts(torch.cat([sums.double(), counts.to(sums.device).double()]))
-        terms = sums.numel()
-        return both[:terms].reshape(1, -1), both[terms:].round().long().reshape(1, -1)
 
     # ---- The check of the head against the model's own loss (hf_parallel.exact.check) ----
     def pending_check(self, head: LossHead | None, model: nn.Module, inputs: dict) -> tuple[LossHead, ...] | None:
@@ -310,18 +271,3 @@ class ExactLoss:
             self._heads[key] = (model, settled.head)
             logger.info(f"exact_loss: {name}'s {settled.why} {settled.head}; using it.")
         return settled.head, terms
-
-    # ---- Evaluation: sum of S / sum of C over the whole set ----
-    def start_evaluation(self, keep_outputs: bool = True) -> None:
-        """Start adding up S and C of every evaluation batch; `keep_outputs=False` when only the loss is wanted."""
-        self._eval_totals = EvalTotals() if self.enabled else None
-        self.evaluating = self._eval_totals is not None
-        self.outputs_wanted = keep_outputs
-
-    def finish_evaluation(self) -> float | None:
-        """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
-        totals, self._eval_totals = self._eval_totals, None
-        self.evaluating, self.outputs_wanted = False, True
-        if totals is not None and self.engine.data_replicas > 1:
-            totals.add_over(self.engine.add_counts)  # each rank's own rows (see `reduce`), each batch's once
-        return totals.value() if totals is not None else None

@@ -120,12 +120,12 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
     if not state["checked"] and not _verdict(exact, owner, head, own, recomputed, state):
         return own.mean() / micro_batches, _outputs(head, text, other, return_outputs)
     text, other = text[:real], other[:real]
-    if step is None and exact.evaluating:
+    if step is None and exact.evaluation.running:
         # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
         # fill the last batch dropped); every rank adds the same loss, once.
         text_all, other_all = _gathered(exact, text.detach(), other.detach())
         loss = head.variant.loss(source, text_all, other_all)
-        exact.add_evaluation_loss(head, loss)
+        exact.evaluation.add_loss(head, loss)
         return loss, _outputs(head, text, other, return_outputs)
     loss = head.variant.loss(source, *(_everyones(part, exact.engine) for part in (text, other)))
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
@@ -133,8 +133,9 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
 
 def _gathered(exact, text: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's evaluation rows, each once: by the caller's `gather_embeddings`, else as they are (padding cut)."""
-    if exact.gather_embeddings is not None:
-        return exact.gather_embeddings((text, other))
+    gather = exact.evaluation.gather_embeddings
+    if gather is not None:
+        return gather((text, other))
     return torch.cat(exact.engine.gather_rows(text)), torch.cat(exact.engine.gather_rows(other))
 
 

@@ -235,7 +235,7 @@ def micro_batch_loss(
         seq_len = sequence_length(inputs, context.main_input_name)
         total = step.total if step is not None else head.count(labels, seq_len).sum()
     replicas = exact.engine.replicas
-    keep = return_outputs and (exact.outputs_wanted or not replicas)
+    keep = return_outputs and (exact.evaluation.outputs_wanted or not replicas)
     run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=replicas)
     watching = candidates is not None or head.loss_call is not None
     with _watching(exact, head, candidates, model, inputs) if watching else contextlib.nullcontext() as run.loss_call:
@@ -371,11 +371,11 @@ class _Forward:
                 terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
         if head.router is None:
             return terms
-        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.exact.evaluating))
+        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.exact.evaluation.running))
 
     def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """`head`'s `[samples, terms]` sums and counts on these outputs (`sample_terms`), per sample in evaluation."""
-        return sample_terms(head, outputs, dict(labels), inputs, self.exact.evaluating)
+        return sample_terms(head, outputs, dict(labels), inputs, self.exact.evaluation.running)
 
     @staticmethod
     def targets(labels: dict) -> dict:
@@ -444,7 +444,7 @@ def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torc
         # One value per replica under DataParallel (each divided by the whole count already): their sum.
         return terms.user_loss.sum() * (step.scale if step is not None else 1)
     if step is None:
-        return exact.add_to_evaluation(head, terms)
+        return exact.evaluation.add(head, terms, exact.engine)
     loss = head.combine(terms.sums.sum(0), step.counts) * step.scale
     if terms.router is None:
         return loss

@@ -1,7 +1,7 @@
 """
 The numbers of the exact loss: what one forward contributes (`Terms`: per-sample loss sums S and item counts C, the
-user's loss, a check's verdicts, a MoE router's statistics), the running sums and counts of an evaluation set
-(`EvalTotals`), and the watch on a model's own loss call a head may declare (`watching_loss_call`).
+user's loss, a check's verdicts, a MoE router's statistics), and the watch on a model's own loss call a head may
+declare (`watching_loss_call`).
 """
 
 from __future__ import annotations
@@ -18,50 +18,7 @@ from .compare import ReplicaCheck
 from .heads import LossHead, Route
 from .heads.base import LossCallWatch
 
-__all__ = ["EvalTotals", "Terms", "batch_device", "chosen_terms", "watching_loss_call"]
-
-
-class EvalTotals:
-    """
-    Running sums of per-row loss sums and item counts over an evaluation set, and of a MoE model's router statistics;
-    `value()` divides once.
-    """
-
-    def __init__(self):
-        self.head: LossHead | None = None
-        self.sums: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-        self.router: torch.Tensor | None = None
-
-    def add(
-        self, head: LossHead, row_sums: torch.Tensor, row_counts: torch.Tensor, router: torch.Tensor | None = None
-    ) -> None:
-        """Add the rows of one batch (already gathered from all ranks, duplicates dropped)."""
-        self.head = head
-        sums, counts = row_sums.detach().double().sum(0), row_counts.detach().sum(0)
-        if self.sums is None:
-            self.sums, self.counts = sums, counts
-        else:
-            self.sums, self.counts = self.sums + sums.to(self.sums.device), self.counts + counts.to(self.counts.device)
-        if router is not None:
-            router = router.detach().double().sum(0)
-            self.router = router if self.router is None else self.router + router.to(self.router.device)
-
-    def add_over(self, add: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace each total by `add(total)` (a collective: added over ranks, which all evaluated as many batches)."""
-        if self.sums is None:
-            return
-        self.sums, self.counts = add(self.sums), add(self.counts)
-        if self.router is not None:
-            self.router = add(self.router)
-
-    def value(self) -> float | None:
-        if self.sums is None:
-            return None
-        value = self.head.combine(self.sums, self.counts)
-        if self.router is not None and self.head.router is not None:
-            value = value + self.head.router.loss(self.router)  # the router term of the whole set, as one forward
-        return value.item()
+__all__ = ["Terms", "batch_device", "chosen_terms", "watching_loss_call"]
 
 
 class Terms(NamedTuple):

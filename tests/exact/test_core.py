@@ -55,13 +55,13 @@ def test_evaluation_divides_once_over_the_whole_set():
     whole = batch_of("bert_token_classification", rows=6)
     exact = ExactLoss()
     head = exact.head(model, whole)
-    exact.start_evaluation()
+    exact.evaluation.start()
     with torch.no_grad():
         for rows in (slice(0, 1), slice(1, 6)):  # very uneven batches: a mean of means would be off
             micro_batch_loss(exact, model, head, {k: v[rows] for k, v in whole.items()}, None, RunContext())
         expected = model(**whole).loss.item()
-    assert exact.finish_evaluation() == pytest.approx(expected, rel=1e-6)
-    assert exact.finish_evaluation() is None  # nothing open any more
+    assert exact.evaluation.finish(exact.engine) == pytest.approx(expected, rel=1e-6)
+    assert exact.evaluation.finish(exact.engine) is None  # nothing open any more
 
 
 def test_ddp_counts_need_a_reduction():
