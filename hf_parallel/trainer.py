@@ -28,6 +28,7 @@ from .exact import (
     Engine,
     ExactLoss,
     LossHead,
+    Route,
     RunContext,
     StepCounts,
     count_samples,
@@ -42,6 +43,8 @@ from .exact import (
     stock_replica_precision,
     stock_training_step,
 )
+from .exact.heads.trainers import trainer_loss_head
+from .exact.remainder import ragged_gathers
 from .launch.guards import (
     batch_statistics_split,
     check_launch,
@@ -72,6 +75,9 @@ class ExactLossOverrides:
 
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
+        own = self._trainer_loss_head()
+        if isinstance(own, LossHead):
+            return own if self.exact.enabled else None
         return self.exact.head(
             self.model,
             batch,
@@ -80,13 +86,35 @@ class ExactLossOverrides:
             loss_func_shifts=self._loss_shifts_labels,
         )
 
-    def _exact_loss_blocked(self) -> str | None:
-        """Why this Trainer cannot use the exact loss at all, or None."""
-        owner = next(
+    def _loss_owner(self) -> type | None:
+        """The class whose `compute_loss` computes this Trainer's loss, where it is not transformers' nor ours."""
+        return next(
             (cls for cls in type(self).__mro__ if "compute_loss" in vars(cls) and cls not in _OUR_LOSS_CLASSES), None
         )
+
+    def _trainer_loss_head(self) -> LossHead | str | None:
+        """
+        The head of a Trainer subclass's own loss (TRL's SFT, DPO and reward trainers:
+        `hf_parallel.exact.heads.trainers`), why a known subclass's loss has none, or None; found once.
+        """
+        if self._own_loss is _UNKNOWN:
+            owner = self._loss_owner()
+            ranks = self.accelerator.num_processes // max(self.get_tp_size(), 1)
+            self._own_loss = trainer_loss_head(owner, self.args, ranks) if owner is not None else None
+            if isinstance(self._own_loss, LossHead) and getattr(self, "aux_loss_enabled", False):
+                self.exact.warn_once(
+                    f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary "
+                    "term it adds is its own (a mean over each micro-batch)."
+                )
+        return self._own_loss
+
+    def _exact_loss_blocked(self) -> str | None:
+        """Why this Trainer cannot use the exact loss at all, or None."""
+        owner = self._loss_owner()
         if owner is not None:
-            return f"{owner.__name__} overrides compute_loss, which then owns the normalisation."
+            reason = self._trainer_loss_head()
+            why = f": {reason}" if isinstance(reason, str) else "."
+            return f"{owner.__name__} overrides compute_loss, which then owns the normalisation{why}"
         sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
         if sizes["sequence"] > 1 and getattr(self.accelerator.parallelism_config, "sp_backend", None) == "deepspeed":
             sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (its engine's factor)
@@ -125,7 +153,9 @@ class ExactLossOverrides:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
             self.exact.mark_padding(head, batch_samples, end, data_rank, pads)
-        model, name, settled = self.model_wrapped, self._run_context.main_input_name, self._settled_head is not None
+        model, name = self.model_wrapped, self._run_context.main_input_name
+        # A subclass's own loss is its own judge: no check against the model's.
+        settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
         step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
         if step.settled:
             self._settled_head = head
@@ -156,8 +186,17 @@ class ExactLossOverrides:
             loss_func=self.compute_loss_func,
             autocast_dtype=replica_autocast(accelerator.mixed_precision),
             main_input_name=self._main_input_name(),
+            trainer_loss=self._trainer_loss if isinstance(self._trainer_loss_head(), LossHead) else None,
         )
         return self._engine
+
+    def _trainer_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """The subclass's own `compute_loss`; on an epoch's last batch under DDP, where a batch may be cut to its real
+        samples, its gathers (of its metrics) take each rank's rows as they are."""
+        accelerator = self.accelerator
+        ragged = accelerator.num_processes > 1 and accelerator.gradient_state.end_of_dataloader
+        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")
@@ -329,6 +368,8 @@ class TrainerMixin(ExactLossOverrides, CheckpointOverrides):
         self._counted_step: StepCounts | None = None
         #: The run's head once no check can change it (then no step asks the head cache again).
         self._settled_head: LossHead | None = None
+        #: The head of a Trainer subclass's own loss, why it has none, or None (`_trainer_loss_head`), once found.
+        self._own_loss: LossHead | str | None = _UNKNOWN
         if args.exact_loss and not args.average_tokens_across_devices:
             logger.warning(
                 "average_tokens_across_devices=False has no effect with exact_loss=True: the exact loss always "
@@ -461,6 +502,9 @@ def _loss_and_outputs(loss: torch.Tensor, outputs: Any, return_outputs: bool):
         outputs = (loss, *outputs)  # prediction_step reads the logits from outputs[1:]
     return loss, outputs
 
+
+#: `TrainerMixin._own_loss` before it is looked for.
+_UNKNOWN = object()
 
 # The classes whose compute_loss is the exact loss or the stock one it falls back to.
 _OUR_LOSS_CLASSES = (ExactLossOverrides, TrainerMixin, transformers.Trainer)

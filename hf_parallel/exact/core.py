@@ -223,7 +223,9 @@ class ExactLoss:
         are 0 too. Under tensor parallelism (nothing is gathered) for every head. `inputs` itself for any other head,
         and without DDP.
         """
-        if self.num_processes == 1 or (not head.ignore_index_items and self.engine.data_replicas == 1):
+        if self.num_processes == 1 or (
+            not head.ignore_index_items and head.route is not Route.TRAINER_LOSS and self.engine.data_replicas == 1
+        ):
             return inputs
         inputs = dict(inputs)
         self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)

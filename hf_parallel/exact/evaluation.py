@@ -60,7 +60,7 @@ class Evaluation:
         C (and router term), as the loss of the batch."""
         row_sums, row_counts = terms.sums, terms.counts
         if self.totals is not None:
-            if head.route is Route.MODEL_LOSS:
+            if head.route in (Route.MODEL_LOSS, Route.TRAINER_LOSS):
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
                 self.totals.add(head, *sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0), engine))
             elif engine.data_replicas > 1:

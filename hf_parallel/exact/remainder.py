@@ -21,6 +21,7 @@ and evaluation's duplicate removal work on samples, not on the one row.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ __all__ = [
     "mask_padding",
     "packed_sample_ids",
     "real_rows",
+    "ragged_gathers",
+    "real_samples",
     "row_mask",
     "sample_ids_of",
     "samples_in",
@@ -115,6 +118,53 @@ def mask_padding(labels: dict, keys: tuple[str, ...], real: int, sample_ids: tor
     return masked
 
 
+def real_samples(head, batch: dict, real: int) -> dict:
+    """
+    `batch` without the padding samples of an epoch's last step, for a loss computed on the batch as it is (a Trainer
+    subclass's own): a cross-entropy's padding targets ignored; for any other head every tensor whose rows are the
+    samples cut to its first `real` (a preference batch, `rows_per_sample` 2, the first `real` rows of each half). A
+    batch of padding alone stays whole: its forward must still run (DDP's gradient hooks), and its items count 0.
+    """
+    if head.ignore_index_items:
+        return mask_padding(batch, TARGET_KEYS, real, sample_ids_of(head, batch))
+    per = head.rows_per_sample
+    samples = rows_of(batch) // per
+    if real == 0 or real >= samples:
+        return batch
+
+    def cut(value):
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] not in (samples, samples * per):
+            return value
+        return torch.cat([part[:real] for part in value.split(samples)])
+
+    return {key: cut(value) for key, value in batch.items()}
+
+
+@contextlib.contextmanager
+def ragged_gathers(accelerator):
+    """
+    Within, `accelerator.gather` (and `gather_for_metrics`, which calls it) takes tensors whose rows differ between
+    ranks, keeping each rank's rows once, in rank order: a subclass's own metrics gather its batch's rows, and a batch
+    cut to its real samples on some ranks (`real_samples`) would otherwise stop gloo ("Received data size doesn't
+    match expected size"). One more small collective per gather; used on an epoch's last batch only.
+    """
+    gather = accelerator.gather
+
+    def ragged(tensor):
+        if not torch.is_tensor(tensor) or tensor.dim() == 0:
+            return gather(tensor)
+        sizes = gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        padded = accelerator.pad_across_processes(tensor, dim=0)
+        parts = gather(padded).split(padded.shape[0])
+        return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+
+    accelerator.gather = ragged
+    try:
+        yield
+    finally:
+        vars(accelerator).pop("gather", None)
+
+
 def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
     """`[rows, 1]`: 1 for the first `real` rows, 0 for the padding after them."""
     return (torch.arange(rows, device=device) < real).unsqueeze(-1)
@@ -154,8 +204,8 @@ def mark_padding(
     last = batches[-1]
     if head.label_keys:
         samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
-    else:  # a contrastive batch, without labels
-        samples = rows_of(last)
+    else:  # a contrastive or preference batch, without labels
+        samples = rows_of(last) // head.rows_per_sample
     real = real_rows(samples, end.remainder, process_index)
     if real is not None and real < samples:
         last[REAL_ROWS_KEY] = real

@@ -44,7 +44,7 @@ from .coupled import contrastive_loss
 from .heads import LossHead, Route
 from .heads.base import LOSS_CALL_KEY, REAL_ROWS_KEY, sample_ids_of, sequence_length
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
-from .remainder import TARGET_KEYS, EpochEnd, epoch_end, first_rows, mask_padding, row_mask
+from .remainder import TARGET_KEYS, EpochEnd, epoch_end, first_rows, mask_padding, real_samples, row_mask
 from .replicas import forward_in_replicas, outputs_device, without_cache
 from .terms import Terms, watching_loss_call
 
@@ -183,12 +183,15 @@ class RunContext:
         autocast_dtype (`torch.dtype`, *optional*): the dtype of every DataParallel replica's forward.
         main_input_name (`str`, *optional*, defaults to `"input_ids"`): the input whose second dimension is the
             sequence length.
+        trainer_loss (`Callable`, *optional*): a Trainer subclass's own `compute_loss` (TRL's), for a head of
+            `Route.TRAINER_LOSS`.
     """
 
     owner: nn.Module | None = None
     loss_func: Callable | None = None
     autocast_dtype: torch.dtype | None = None
     main_input_name: str = "input_ids"
+    trainer_loss: Callable | None = None
 
 
 def micro_batch_loss(
@@ -218,6 +221,8 @@ def micro_batch_loss(
     if head.batch_coupled:
         # Each row's loss depends on the others of the batch: computed on the whole step's embeddings.
         return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
+    if head.route is Route.TRAINER_LOSS:
+        return _trainer_loss(exact, model, head, inputs, step, context, return_outputs)
     owner = model if context.owner is None else context.owner
     checked = step is None or not step.settled
     candidates = exact.pending_check(head, owner, inputs) if checked else None
@@ -255,6 +260,26 @@ def micro_batch_loss(
             # the following steps; the step was counted as exact, so divide by its micro-batches here.
             return terms.check.model_loss.mean() / (step.micro_batches if step is not None else 1), outputs
     return reduce(exact, head, terms, step), outputs
+
+
+def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, return_outputs: bool):
+    """
+    A micro-batch's loss where a Trainer subclass computes it (`Route.TRAINER_LOSS`, TRL's trainers): its own
+    `compute_loss` on the batch without an epoch's padding samples, given the step's count (the batch's in evaluation)
+    as `num_items_in_batch`; the head makes S of it, reduced as every head's S.
+    """
+    inputs = dict(inputs)
+    real = inputs.pop(REAL_ROWS_KEY, None)
+    if real is not None:
+        inputs = real_samples(head, inputs, real)
+    marked = inputs if real is None else {**inputs, REAL_ROWS_KEY: real}
+    items = head.count(marked, sequence_length(inputs, context.main_input_name))
+    count = step.total if step is not None else items.sum()
+    result = context.trainer_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
+    loss, outputs = result if return_outputs else (result, None)
+    items = items.to(loss.device)
+    sums = head.sums(loss, count if step is not None else items.sum(), items.sum())
+    return reduce(exact, head, Terms(sums.reshape(1, 1), items.reshape(1, 1)), step), outputs
 
 
 @contextlib.contextmanager

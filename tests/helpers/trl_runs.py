@@ -152,3 +152,47 @@ def run_one_step(trl, case: TrlCase, trainer_cls: type, output_dir: str, rows: i
     trainer = trainer_cls(*leading, train_dataset=train_dataset, processing_class=tokenizer(), **named)
     trainer.train()
     return trainer
+
+
+# ---- A TRL trainer on a split step and on the whole one (tests/test_trl_exact.py) ----
+
+#: One epoch, rows in order, plain SGD in fp32 (TRL's configs default to bf16), a loss logged every step: a split
+#: step and the whole one then see the same rows, and their updates can be compared.
+SPLIT_SETTINGS = {
+    "num_train_epochs": 1, "max_steps": -1, "train_sampling_strategy": "sequential", "optim": "sgd",
+    "learning_rate": 0.5, "bf16": False, "fp16": False, "lr_scheduler_type": "constant", "warmup_steps": 0,
+}  # fmt: skip
+
+
+def train_split(
+    trl, name: str, trainer_cls: type, output_dir: str, *, rows: int, per_device: int, accumulation: int = 1,
+    eval_batch: int | None = None, settings: dict | None = None,
+) -> dict:  # fmt: skip
+    """
+    `trainer_cls` (TRL's `name` trainer, or one with hf_parallel's mixin) for one epoch of `rows` rows, `per_device`
+    rows a micro-batch and `accumulation` micro-batches a step: `eval_loss` at the initial weights (batches of
+    `eval_batch` rows, when given), the logged loss of each step and the trained weights (rank 0's, on every rank).
+    """
+    import datasets
+
+    case = CASES[name]
+    config_cls = getattr(trl, case.config)
+    settings = dict(settings or {})
+    exact_loss = settings.pop("exact_loss", None)  # hf_parallel's field: set on the config TRL built
+    args = config_cls(
+        output_dir=output_dir, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        seed=0, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        per_device_eval_batch_size=eval_batch or 1, **{**SPLIT_SETTINGS, **case.settings, **settings},
+    )  # fmt: skip
+    if exact_loss is not None:
+        args.exact_loss = exact_loss
+    data = datasets.Dataset.from_list(_rows(case.dataset, rows))
+    trainer = trainer_cls(
+        model=case.model(0), args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
+        processing_class=tokenizer(), **case.extra(),
+    )  # fmt: skip
+    result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
+    trainer.train()
+    result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    result["weights"] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
+    return result

@@ -234,6 +234,9 @@ class Route(enum.Enum):
     MODEL_LOSS = "model_loss"
     #: The Trainer's `compute_loss_func`, given the step's count; the head only counts the items.
     USER_LOSS = "user_loss"
+    #: The Trainer subclass's own `compute_loss` (TRL's), given the step's count; the head turns it into S
+    #: (`hf_parallel.exact.heads.trainers`).
+    TRAINER_LOSS = "trainer_loss"
 
 
 def routed(head: LossHead, route: Route) -> LossHead:
@@ -293,6 +296,8 @@ class LossHead:
     #: Whether each row's loss depends on the other rows of the batch (a contrastive loss): the loss is computed on
     #: the whole step's embeddings (`hf_parallel.exact.coupled`), not as a sum over rows.
     batch_coupled: bool = False
+    #: Rows of a batch per sample: 2 for a preference batch, whose pairs are `[first rows; second rows]`.
+    rows_per_sample: int = 1
 
     def __init__(self, label_keys: tuple[str, ...] = ("labels",), name: str | None = None):
         self.label_keys = tuple(label_keys)

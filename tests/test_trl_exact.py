@@ -1,0 +1,125 @@
+"""
+TRL's trainers exact by TRL's own rule, that a step split into micro-batches or over ranks gives what the whole step
+in one micro-batch on one process gives (`hf_parallel.exact.heads.trainers`): the logged loss, the update and
+`eval_loss`, for SFT, DPO and the reward trainer, from the installed TRL, next to stock TRL on the same split, which
+must differ where stock is off. The trainers are built as TRL's docs build them (tests/helpers/trl_runs.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_parallel import TrainerMixin
+from hf_parallel.testing import spawn_cpu_ranks
+from tests.helpers.epochs import update_error
+from tests.helpers.trl_runs import CASES, train_split
+
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+LOSS, UPDATE = 1e-5, 1e-4
+
+# Each trainer with the settings whose loss is a sum over items: SFT's token losses (`nll`, DFT's weighted ones), DPO's
+# per-pair losses (one type, a weighted combination, IPO) and the reward model's Bradley-Terry loss with its centring
+# term.
+SETTINGS = {
+    "sft": ("SFTTrainer", {}),
+    "sft_dft": ("SFTTrainer", {"loss_type": "dft"}),
+    "dpo": ("DPOTrainer", {}),
+    "dpo_weighted": ("DPOTrainer", {"loss_type": ["sigmoid", "bco_pair"], "loss_weights": [0.7, 0.3]}),
+    "dpo_ipo": ("DPOTrainer", {"loss_type": "ipo"}),
+    "reward_centred": ("RewardTrainer", {"center_rewards_coefficient": 0.1}),
+}
+
+
+def _parallel(name: str) -> type:
+    return type(f"Parallel{name}", (TrainerMixin, getattr(trl, name)), {})
+
+
+def _assert_exact(result: dict, whole: dict, initial: dict, what: str) -> None:
+    assert result["losses"] == pytest.approx(whole["losses"], rel=LOSS), what
+    if whole["eval_loss"] is not None:
+        assert result["eval_loss"] == pytest.approx(whole["eval_loss"], rel=LOSS), what
+    assert update_error(result["weights"], whole["weights"], initial) < UPDATE, what
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_path, hf_parallel_log):
+    """5 rows a step as micro-batches of 2 + 2 + 1 (evaluation in batches of 2 + 2 + 1) against 5 rows at once."""
+    name, settings = SETTINGS[setting]
+    initial = CASES[name].model(0).state_dict()
+    run = {"rows": 5, "settings": settings}
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path / "whole"), per_device=5, eval_batch=5, **run)
+    split = {"per_device": 2, "accumulation": 3, "eval_batch": 2, **run}
+    ours = train_split(trl, name, _parallel(name), str(tmp_path / "ours"), **split)
+    stock = train_split(trl, name, getattr(trl, name), str(tmp_path / "stock"), **split)
+    _assert_exact(ours, whole, initial, setting)
+    assert not any("overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+    # Stock TRL on the same split: a mean of micro-batch means (the pairs' losses, the evaluation's batches).
+    if name == "SFTTrainer":  # TRL's SFT divides by the step's tokens; its evaluation still takes a mean of means
+        assert stock["eval_loss"] != pytest.approx(whole["eval_loss"], rel=10 * LOSS)
+    else:
+        assert update_error(stock["weights"], whole["weights"], initial) > 0.05
+
+
+def test_an_unknown_loss_keeps_the_trainer_s_own_and_says_why(tmp_path, hf_parallel_log):
+    """DPO's 'sft' term is a token mean of each micro-batch: stock TRL's loss, warned naming it."""
+    settings = {"loss_type": ["sigmoid", "sft"]}
+    stock = train_split(trl, "DPOTrainer", trl.DPOTrainer, str(tmp_path / "stock"), rows=4, per_device=2,
+                        accumulation=2, settings=settings)  # fmt: skip
+    ours = train_split(trl, "DPOTrainer", _parallel("DPOTrainer"), str(tmp_path / "ours"), rows=4, per_device=2,
+                       accumulation=2, settings=settings)  # fmt: skip
+    assert ours["losses"] == stock["losses"]
+    assert any("'sft' loss term" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+
+
+@pytest.mark.parametrize("name", ["SFTTrainer", "DPOTrainer"])
+def test_exact_loss_false_is_stock_trl_to_the_bit(name, tmp_path):
+    split = {"rows": 5, "per_device": 2, "accumulation": 3, "eval_batch": 2}
+    stock = train_split(trl, name, getattr(trl, name), str(tmp_path / "stock"), **split)
+    off = train_split(trl, name, _parallel(name), str(tmp_path / "off"), settings={"exact_loss": False}, **split)
+    assert (off["losses"], off["eval_loss"]) == (stock["losses"], stock["eval_loss"])
+    for key, value in off["weights"].items():
+        assert torch.equal(value, stock["weights"][key]), key
+
+
+# ---- 2 DDP ranks: 10 rows in steps of 2 x 2, the epoch's last step 2 rows (rank 1's batch is all padding) ----
+
+
+def _ranks_worker(out_dir: str) -> None:
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    results = {}
+    for setting in ("sft", "dpo", "reward_centred"):
+        name, settings = SETTINGS[setting]
+        for label, cls in (("ours", _parallel(name)), ("stock", getattr(trl, name))):
+            out = str(Path(out_dir) / f"{setting}-{label}-{dist.get_rank()}")
+            results[setting, label] = train_split(
+                trl, name, cls, out, rows=10, per_device=2, eval_batch=3, settings=settings
+            )
+            AcceleratorState._reset_state()  # each Trainer builds its own accelerator; the process group stays
+    torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("trl_ranks")
+    spawn_cpu_ranks(_ranks_worker, args=(str(out_dir),), num_processes=2, timeout=400)
+    return torch.load(out_dir / "rank0.pt", weights_only=False)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("setting", ["sft", "dpo", "reward_centred"])
+def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, ranks, tmp_path):
+    name, settings = SETTINGS[setting]
+    initial = CASES[name].model(0).state_dict()
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=10, per_device=4, eval_batch=10,
+                        settings=settings)  # fmt: skip
+    _assert_exact(ranks[setting, "ours"], whole, initial, setting)
+    # Stock trains the repeated rows of the last step: its update is off.
+    assert update_error(ranks[setting, "stock"]["weights"], whole["weights"], initial) > 0.05
