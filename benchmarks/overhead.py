@@ -221,15 +221,39 @@ def memory_run(mode: str, side: str, workload: str, out: str) -> None:
 
 def fresh_peak(mode: str, side: str, workload: str) -> int:
     """Peak memory of one run in a fresh process whose resident size follows the live tensors (see above)."""
+    return peak_in_fresh_process("benchmarks.overhead", [mode, side, workload])
+
+
+def peak_in_fresh_process(module: str, memory_run: list[str]) -> int:
+    """
+    `python -m module --memory-run *memory_run OUT` in a fresh process whose resident size follows the live tensors
+    (see above): the peak (bytes) it writes to OUT.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "peak.txt")
-        command = [sys.executable, "-m", "benchmarks.overhead", "--memory-run", mode, side, workload, out]
+        command = [sys.executable, "-m", module, "--memory-run", *memory_run, out]
         # Its output is library warnings, once per process; shown only when the run fails.
         done = subprocess.run(command, env={**os.environ, **MALLOC_ENV}, cwd=REPO_ROOT, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"memory run {mode} {side} {workload} failed:\n{done.stdout}{done.stderr}")
+            raise RuntimeError(f"memory run {' '.join(memory_run)} failed:\n{done.stdout}{done.stderr}")
         with open(out) as file:
             return int(file.read())
+
+
+def parse_run_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options of a timing benchmark (`--steps`, `--rounds`, `--memory-rounds` at least 1, `--warmup` at least 0,
+    refused naming the option), the libraries' warnings quieted for its output."""
+    options = parser.parse_args()
+    try:
+        for name in ("steps", "rounds", "memory_rounds"):
+            check_whole_number("--" + name.replace("_", "-"), getattr(options, name), 1)
+        check_whole_number("--warmup", options.warmup, 0)
+    except ValueError as error:
+        parser.error(str(error))
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return options
 
 
 def measure_memory(rounds: int, ddp: bool) -> dict:
@@ -261,16 +285,7 @@ def main() -> None:
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP measurement")
     # Internal: the body of one fresh CPU memory process (MODE is single or ddp, SIDE stock or hf_parallel).
     parser.add_argument("--memory-run", nargs=4, metavar=("MODE", "SIDE", "WORKLOAD", "OUT"), help=argparse.SUPPRESS)
-    options = parser.parse_args()
-    try:
-        for name in ("steps", "rounds", "memory_rounds"):
-            check_whole_number("--" + name.replace("_", "-"), getattr(options, name), 1)
-        check_whole_number("--warmup", options.warmup, 0)
-    except ValueError as error:
-        parser.error(str(error))
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    options = parse_run_options(parser)
     if options.memory_run:
         memory_run(*options.memory_run)
         return

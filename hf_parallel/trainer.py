@@ -38,13 +38,13 @@ from .exact import (
     micro_batch_loss,
     pick_engine,
     pull_batches,
+    ragged_gathers,
     replica_autocast,
     stock_compute_loss,
     stock_replica_precision,
     stock_training_step,
+    trainer_loss_head,
 )
-from .exact.heads.trainers import trainer_loss_head
-from .exact.remainder import ragged_gathers
 from .launch.guards import (
     batch_statistics_split,
     check_launch,

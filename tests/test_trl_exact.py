@@ -25,7 +25,7 @@ LOSS, UPDATE = 1e-5, 1e-4
 
 # Each trainer with the settings whose loss is a sum over items: SFT's token losses (`nll`, DFT's weighted ones), DPO's
 # per-pair losses (one type, a weighted combination, IPO) and the reward model's Bradley-Terry loss with its centring
-# term.
+# term or a margin column.
 SETTINGS = {
     "sft": ("SFTTrainer", {}),
     "sft_dft": ("SFTTrainer", {"loss_type": "dft"}),
@@ -33,6 +33,7 @@ SETTINGS = {
     "dpo_weighted": ("DPOTrainer", {"loss_type": ["sigmoid", "bco_pair"], "loss_weights": [0.7, 0.3]}),
     "dpo_ipo": ("DPOTrainer", {"loss_type": "ipo"}),
     "reward_centred": ("RewardTrainer", {"center_rewards_coefficient": 0.1}),
+    "reward_margin": ("RewardTrainer", {"margins": True}),
 }
 
 
@@ -87,7 +88,11 @@ def test_exact_loss_false_is_stock_trl_to_the_bit(name, tmp_path):
         assert torch.equal(value, stock["weights"][key]), key
 
 
-# ---- 2 DDP ranks: 10 rows in steps of 2 x 2, the epoch's last step 2 rows (rank 1's batch is all padding) ----
+# ---- 2 DDP ranks, steps of 2 x 2 rows ----
+# 10 rows: the epoch's last step holds 2 (rank 1's batch all repeated rows); 11 rows: 3 (rank 1's 1 real, 1 repeated).
+# Evaluation in batches of 3 a rank: the last batch holds 4 or 5 rows, rank 1's 1 or 2 real, the rest repeated.
+RANKED = ("sft", "dpo", "reward_centred", "reward_margin")
+ROWS = (10, 11)
 
 
 def _ranks_worker(out_dir: str) -> None:
@@ -95,14 +100,15 @@ def _ranks_worker(out_dir: str) -> None:
 
     torch.set_num_threads(1)  # two ranks on two cores
     results = {}
-    for setting in ("sft", "dpo", "reward_centred"):
-        name, settings = SETTINGS[setting]
-        for label, cls in (("ours", _parallel(name)), ("stock", getattr(trl, name))):
-            out = str(Path(out_dir) / f"{setting}-{label}-{dist.get_rank()}")
-            results[setting, label] = train_split(
-                trl, name, cls, out, rows=10, per_device=2, eval_batch=3, settings=settings
-            )
-            AcceleratorState._reset_state()  # each Trainer builds its own accelerator; the process group stays
+    for rows in ROWS:
+        for setting in RANKED:
+            name, settings = SETTINGS[setting]
+            for label, cls in (("ours", _parallel(name)), ("stock", getattr(trl, name))):
+                out = str(Path(out_dir) / f"{setting}-{rows}-{label}-{dist.get_rank()}")
+                results[setting, rows, label] = train_split(
+                    trl, name, cls, out, rows=rows, per_device=2, eval_batch=3, settings=settings
+                )
+                AcceleratorState._reset_state()  # each Trainer builds its own accelerator; the process group stays
     torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
 
 
@@ -114,12 +120,13 @@ def ranks(tmp_path_factory) -> dict:
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("setting", ["sft", "dpo", "reward_centred"])
-def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, ranks, tmp_path):
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("setting", RANKED)
+def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ranks, tmp_path):
     name, settings = SETTINGS[setting]
     initial = CASES[name].model(0).state_dict()
-    whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=10, per_device=4, eval_batch=10,
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=rows, per_device=4, eval_batch=rows,
                         settings=settings)  # fmt: skip
-    _assert_exact(ranks[setting, "ours"], whole, initial, setting)
+    _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)
     # Stock trains the repeated rows of the last step: its update is off.
-    assert update_error(ranks[setting, "stock"]["weights"], whole["weights"], initial) > 0.05
+    assert update_error(ranks[setting, rows, "stock"]["weights"], whole["weights"], initial) > 0.05

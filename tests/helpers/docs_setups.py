@@ -104,4 +104,23 @@ def masked_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
     return dict(model=embed.tiny_masked_lm(tokenizer, max_length=40, seed=0), tokenizer=tokenizer, tokenized_rows=rows)
 
 
-SETUPS = {setup.__name__: setup for setup in (classifier, causal_lm, seq2seq, ddp_loop, deepspeed_loop, masked_lm)}
+def preference(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """TRL's preference data: a tiny Llama (`model`) and its reference (`ref_model`), a tiny reward model, 8 pairs of
+    strings (`pairs`: prompt, chosen, rejected; `implicit_pairs`: the prompt inside each), 8 texts (`texts`) and a word
+    tokenizer."""
+    import datasets
+
+    from tests.helpers import trl_runs
+
+    return dict(
+        model=trl_runs.causal_lm(0), ref_model=trl_runs.causal_lm(1), reward_model=trl_runs.reward_model(0),
+        pairs=datasets.Dataset.from_list(trl_runs.dataset_rows("preference", 8)),
+        implicit_pairs=datasets.Dataset.from_list(trl_runs.dataset_rows("implicit_preference", 8)),
+        texts=datasets.Dataset.from_list(trl_runs.dataset_rows("language_modeling", 8)), tok=trl_runs.tokenizer(),
+    )  # fmt: skip
+
+
+SETUPS = {
+    setup.__name__: setup
+    for setup in (classifier, causal_lm, seq2seq, ddp_loop, deepspeed_loop, masked_lm, preference)
+}

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from tests.helpers.tiny import tiny
@@ -53,7 +54,7 @@ def _sentences(n: int, seed: int, low: int, high: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) for _ in range(n)]
 
 
-def _rows(kind: str, n: int) -> list[dict]:
+def dataset_rows(kind: str, n: int) -> list[dict]:
     prompts, first, second = _sentences(n, 0, 2, 4), _sentences(n, 1, 1, 4), _sentences(n, 2, 1, 4)
     if kind == "language_modeling":
         return [{"text": f"{p} {c}"} for p, c in zip(prompts, first, strict=True)]
@@ -148,7 +149,7 @@ def run_one_step(trl, case: TrlCase, trainer_cls: type, output_dir: str, rows: i
                 break
             leading.append(named.pop(name))
         assert not {"model", "args"} & named.keys(), f"{trainer_cls.__name__}: model and args are not leading"
-    train_dataset = datasets.Dataset.from_list(_rows(case.dataset, rows))
+    train_dataset = datasets.Dataset.from_list(dataset_rows(case.dataset, rows))
     trainer = trainer_cls(*leading, train_dataset=train_dataset, processing_class=tokenizer(), **named)
     trainer.train()
     return trainer
@@ -179,6 +180,7 @@ def train_split(
     config_cls = getattr(trl, case.config)
     settings = dict(settings or {})
     exact_loss = settings.pop("exact_loss", None)  # hf_parallel's field: set on the config TRL built
+    margins = settings.pop("margins", False)  # the reward trainer's `margin` column, one value a pair
     args = config_cls(
         output_dir=output_dir, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=0, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
@@ -186,11 +188,13 @@ def train_split(
     )  # fmt: skip
     if exact_loss is not None:
         args.exact_loss = exact_loss
-    data = datasets.Dataset.from_list(_rows(case.dataset, rows))
+    data = dataset_rows(case.dataset, rows)
+    data = datasets.Dataset.from_list([{**row, "margin": 0.3 * i} for i, row in enumerate(data)] if margins else data)
     trainer = trainer_cls(
         model=case.model(0), args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
         processing_class=tokenizer(), **case.extra(),
     )  # fmt: skip
+    trainer.remove_callback(transformers.PrinterCallback)  # the logs are in state.log_history
     result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
     trainer.train()
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]

@@ -1,0 +1,112 @@
+"""
+TRL's trainers split, stock TRL next to hf_parallel's mixin: how far each is from the whole step in one micro-batch
+on one process (TRL's own rule, that the splits "should yield the same results").
+
+    python -m benchmarks.trl_exactness 2>/dev/null
+
+Each case trains one epoch of the rows, in order, with plain SGD in fp32 (tests/helpers/trl_runs.py `train_split`),
+from the same tiny Llama; `eval_loss` at the initial weights in batches of 2 (one process) or 3 a rank (DDP) against
+the whole set in one batch. Figures: the largest relative error of a step's logged loss, the update's error relative
+to the largest change the whole step made, the relative error of `eval_loss`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+from hf_parallel import TrainerMixin
+from hf_parallel.testing import spawn_cpu_ranks
+
+#: case: (trainer, its settings, rows, the split: per-device rows, accumulation, evaluation batch; 2 DDP ranks).
+CASES = {
+    "SFT, 5 rows as micro-batches of 2 + 2 + 1": ("SFTTrainer", {}, 5, 2, 3, 2, False),
+    "DPO, 5 pairs as 2 + 2 + 1": ("DPOTrainer", {}, 5, 2, 3, 2, False),
+    "reward model, 5 pairs as 2 + 2 + 1": ("RewardTrainer", {"center_rewards_coefficient": 0.1}, 5, 2, 3, 2, False),
+    "SFT, 2 DDP ranks, 10 rows in steps of 4": ("SFTTrainer", {}, 10, 2, 1, 3, True),
+    "DPO, 2 DDP ranks, 10 pairs in steps of 4": ("DPOTrainer", {}, 10, 2, 1, 3, True),
+    "reward model, 2 DDP ranks, the same": ("RewardTrainer", {"center_rewards_coefficient": 0.1}, 10, 2, 1, 3, True),
+}
+
+
+def _classes(trl, name: str) -> dict:
+    stock = getattr(trl, name)
+    return {"stock": stock, "hf_parallel": type(f"Parallel{name}", (TrainerMixin, stock), {})}
+
+
+def _split_runs(cases: dict, out_dir: str) -> dict:
+    """Every split run of `cases`, stock and hf_parallel (in each DDP rank, rank 0's results)."""
+    import trl
+    from accelerate.state import AcceleratorState
+
+    from tests.helpers.trl_runs import train_split
+
+    torch.set_num_threads(1 if torch.distributed.is_initialized() else torch.get_num_threads())
+    runs = {}
+    for case, (name, settings, rows, per_device, accumulation, eval_batch, _) in cases.items():
+        for side, cls in _classes(trl, name).items():
+            split = {"per_device": per_device, "accumulation": accumulation, "eval_batch": eval_batch}
+            runs[case, side] = train_split(
+                trl, name, cls, str(Path(out_dir) / f"{len(runs)}"), rows=rows, settings=settings, **split
+            )
+            AcceleratorState._reset_state()
+    return runs
+
+
+def _ranks_worker(cases: dict, out_dir: str) -> None:
+    runs = _split_runs(cases, out_dir)
+    if torch.distributed.get_rank() == 0:
+        torch.save(runs, Path(out_dir) / "runs.pt")
+
+
+def _errors(run: dict, whole: dict, initial: dict) -> tuple[float, float, float]:
+    loss = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], whole["losses"], strict=True))
+    change = max((whole["weights"][n] - initial[n]).abs().max().item() for n in initial)
+    update = max((run["weights"][n] - whole["weights"][n]).abs().max().item() for n in initial) / change
+    return loss, update, abs(run["eval_loss"] - whole["eval_loss"]) / abs(whole["eval_loss"])
+
+
+def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
+    """Per case: stock TRL's and hf_parallel's (loss, update, eval_loss) errors against the whole step."""
+    import trl
+
+    from tests.helpers.trl_runs import CASES as TRAINERS
+    from tests.helpers.trl_runs import train_split
+
+    with tempfile.TemporaryDirectory() as out:
+        runs = _split_runs({k: v for k, v in CASES.items() if not v[-1]}, out)
+        ranked = {k: v for k, v in CASES.items() if v[-1]}
+        spawn_cpu_ranks(_ranks_worker, args=(ranked, out), num_processes=2, timeout=600)
+        runs.update(torch.load(Path(out) / "runs.pt", weights_only=False))
+        rows = []
+        for case, (name, settings, n, *_) in CASES.items():
+            whole = train_split(
+                trl, name, getattr(trl, name), str(Path(out) / "whole"), rows=n, per_device=n if n <= 5 else 4,
+                eval_batch=n, settings=settings,
+            )  # fmt: skip
+            initial = TRAINERS[name].model(0).state_dict()
+            errors = [_errors(runs[case, side], whole, initial) for side in ("stock", "hf_parallel")]
+            rows.append((case, *errors))
+    return rows
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import trl
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
+    print("| case | stock TRL: loss / update / eval_loss off by | hf_parallel's mixin |")
+    print("|---|---|---|")
+    for case, stock, ours in measure():
+        print(f"| {case} | {' / '.join(f'{e:.1e}' for e in stock)} | {' / '.join(f'{e:.1e}' for e in ours)} |")
+
+
+if __name__ == "__main__":
+    main()
