@@ -101,6 +101,11 @@ class ExactLossOverrides:
             owner = self._loss_owner()
             ranks = self.accelerator.num_processes // max(self.get_tp_size(), 1)
             self._own_loss = trainer_loss_head(owner, self.args, ranks) if owner is not None else None
+            sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
+            shared = [name for name, size in sizes.items() if size > 1]
+            if isinstance(self._own_loss, LossHead) and shared:
+                # Ranks that share a batch: how the subclass's loss then divides is not the one step's to know.
+                self._own_loss = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
             if isinstance(self._own_loss, LossHead) and getattr(self, "aux_loss_enabled", False):
                 self.exact.warn_once(
                     f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary "

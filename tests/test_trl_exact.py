@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hf_parallel import TrainerMixin
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.helpers.epochs import update_error
-from tests.helpers.trl_runs import CASES, train_split
+from tests.helpers.trl_runs import CASES, dataset_rows, tokenizer, train_split
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -86,6 +86,18 @@ def test_exact_loss_false_is_stock_trl_to_the_bit(name, tmp_path):
     assert (off["losses"], off["eval_loss"]) == (stock["losses"], stock["eval_loss"])
     for key, value in off["weights"].items():
         assert torch.equal(value, stock["weights"][key]), key
+
+
+def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypatch, hf_parallel_log):
+    """Context parallelism (ranks holding one batch's pieces): TRL's loss as it is, warned naming it."""
+    monkeypatch.setattr(trl.DPOTrainer, "get_cp_size", lambda self: 2)
+    trainer = _parallel("DPOTrainer")(
+        model=CASES["DPOTrainer"].model(0), ref_model=CASES["DPOTrainer"].model(1),
+        args=trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False),
+        train_dataset=datasets.Dataset.from_list(dataset_rows("preference", 4)), processing_class=tokenizer(),
+    )  # fmt: skip
+    assert trainer._exact_head() is None
+    assert any("['context'] parallelism" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
 
 
 # ---- 2 DDP ranks, steps of 2 x 2 rows ----
