@@ -27,7 +27,7 @@ import tempfile
 import torch
 import transformers
 
-from benchmarks.overhead import StepTimer, _peak, _reset_peak, parse_run_options, peak_in_fresh_process
+from benchmarks.overhead import StepTimer, _peak, _reset_peak, _sides, parse_run_options, peak_in_fresh_process
 
 VOCAB = 128_256
 WORKLOADS = ("sft", "dpo")
@@ -95,7 +95,7 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
 def measure_time(workload: str, steps: int, warmup: int, rounds: int) -> dict:
     times = {"stock": [], "hf_parallel": []}
     for r in range(rounds):
-        for side in ("stock", "hf_parallel") if r % 2 == 0 else ("hf_parallel", "stock"):
+        for side in _sides(r):
             times[side] += run_once(side == "stock", workload, steps, warmup)[0]
     return {side: statistics.median(values) * 1e3 for side, values in times.items()}
 
@@ -108,7 +108,7 @@ def fresh_peak(side: str, workload: str) -> int:
 def measure_memory(workload: str, rounds: int) -> dict:
     peaks = {"stock": [], "hf_parallel": []}
     for r in range(rounds):
-        for side in ("stock", "hf_parallel") if r % 2 == 0 else ("hf_parallel", "stock"):
+        for side in _sides(r):
             peaks[side].append(fresh_peak(side, workload))
     return {side: statistics.median(values) / 2**20 for side, values in peaks.items()}
 

@@ -22,6 +22,7 @@ import transformers
 
 from hf_parallel import TrainerMixin
 from hf_parallel.testing import spawn_cpu_ranks
+from tests.helpers.epochs import update_error
 
 #: case: (trainer, its settings, rows, the split: per-device rows, accumulation, evaluation batch; 2 DDP ranks).
 CASES = {
@@ -66,8 +67,7 @@ def _ranks_worker(cases: dict, out_dir: str) -> None:
 
 def _errors(run: dict, whole: dict, initial: dict) -> tuple[float, float, float]:
     loss = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], whole["losses"], strict=True))
-    change = max((whole["weights"][n] - initial[n]).abs().max().item() for n in initial)
-    update = max((run["weights"][n] - whole["weights"][n]).abs().max().item() for n in initial) / change
+    update = update_error(run["weights"], whole["weights"], initial)
     return loss, update, abs(run["eval_loss"] - whole["eval_loss"]) / abs(whole["eval_loss"])
 
 

@@ -101,8 +101,7 @@ class ExactLossOverrides:
             owner = self._loss_owner()
             ranks = self.accelerator.num_processes // max(self.get_tp_size(), 1)
             self._own_loss = trainer_loss_head(owner, self.args, ranks) if owner is not None else None
-            sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
-            shared = [name for name, size in sizes.items() if size > 1]
+            shared = [name for name, size in self._batch_sharing_sizes().items() if size > 1]
             if isinstance(self._own_loss, LossHead) and shared:
                 # Ranks that share a batch: how the subclass's loss then divides is not the one step's to know.
                 self._own_loss = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
@@ -120,7 +119,7 @@ class ExactLossOverrides:
             reason = self._trainer_loss_head()
             why = f": {reason}" if isinstance(reason, str) else "."
             return f"{owner.__name__} overrides compute_loss, which then owns the normalisation{why}"
-        sizes = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
+        sizes = self._batch_sharing_sizes()
         if sizes["sequence"] > 1 and getattr(self.accelerator.parallelism_config, "sp_backend", None) == "deepspeed":
             sizes.pop("sequence")  # DeepSpeed's Ulysses: each rank holds its own shifted labels (its engine's factor)
         if not self.is_deepspeed_enabled:
@@ -128,6 +127,10 @@ class ExactLossOverrides:
         if any(size > 1 for size in sizes.values()):
             return f"{[k for k, v in sizes.items() if v > 1]} parallelism shares batches across ranks."
         return None
+
+    def _batch_sharing_sizes(self) -> dict[str, int]:
+        """The ranks that share one batch, by kind of parallelism."""
+        return {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         if not self.args.exact_loss:

@@ -278,7 +278,7 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     result = context.trainer_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
     loss, outputs = result if return_outputs else (result, None)
     items = items.to(loss.device)
-    sums = head.sums(loss, count if step is not None else items.sum(), items.sum())
+    sums = head.sums(loss, count, items.sum())
     return reduce(exact, head, Terms(sums.reshape(1, 1), items.reshape(1, 1)), step), outputs
 
 
