@@ -32,6 +32,8 @@ CASES = {
     "SFT, 2 DDP ranks, 10 rows in steps of 4": ("SFTTrainer", {}, 10, 2, 1, 3, True),
     "DPO, 2 DDP ranks, 10 pairs in steps of 4": ("DPOTrainer", {}, 10, 2, 1, 3, True),
     "reward model, 2 DDP ranks, the same": ("RewardTrainer", {"center_rewards_coefficient": 0.1}, 10, 2, 1, 3, True),
+    "KTO (beta 1), 5 rows as 2 + 2 + 1": ("KTOTrainer", {"beta": 1.0}, 5, 2, 3, 2, False),
+    "KTO, 2 DDP ranks, 10 rows in steps of 4": ("KTOTrainer", {"beta": 1.0}, 10, 2, 1, 3, True),
 }
 
 
@@ -84,10 +86,12 @@ def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
         spawn_cpu_ranks(_ranks_worker, args=(ranked, out), num_processes=2, timeout=600)
         runs.update(torch.load(Path(out) / "runs.pt", weights_only=False))
         rows = []
-        for case, (name, settings, n, *_) in CASES.items():
+        for case, (name, settings, n, per_device, *_) in CASES.items():
+            # KTO's KL pairs (another row's completion) are made in chunks of the per-device batch: the split's.
+            pairs = {"kl_pairs": per_device} if name == "KTOTrainer" else {}
             whole = train_split(
                 trl, name, getattr(trl, name), str(Path(out) / "whole"), rows=n, per_device=n if n <= 5 else 4,
-                eval_batch=n, settings=settings,
+                eval_batch=n, settings=settings, **pairs,
             )  # fmt: skip
             initial = TRAINERS[name].model(0).state_dict()
             errors = [_errors(runs[case, side], whole, initial) for side in ("stock", "hf_parallel")]

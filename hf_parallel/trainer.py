@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from .engines.reshard import load_on_any_world_size
 from .exact import (
     Engine,
     ExactLoss,
+    KtoHead,
     LossHead,
     Route,
     RunContext,
@@ -72,6 +74,9 @@ class ExactLossOverrides:
     each step, `training_step` and `compute_loss` compute each micro-batch's share of it, `evaluation_loop` gives
     `eval_loss` over the whole set. `self.exact` (an `ExactLoss`) is made by `TrainerMixin.__init__`.
     """
+
+    #: KTO's KL reference point over the evaluation set, while an evaluation runs.
+    _evaluation_point: torch.Tensor | None = None
 
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
@@ -165,6 +170,8 @@ class ExactLossOverrides:
         # A subclass's own loss is its own judge: no check against the model's.
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
         step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
+        if isinstance(head, KtoHead) and self.calculate_KL:
+            step = replace(step, shared=head.step_point(self, batch_samples, engine.add_counts))
         if step.settled:
             self._settled_head = head
         return step
@@ -203,7 +210,10 @@ class ExactLossOverrides:
         samples, its gathers (of its metrics) take each rank's rows as they are."""
         accelerator = self.accelerator
         ragged = accelerator.num_processes > 1 and accelerator.gradient_state.end_of_dataloader
-        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext():
+        step = self._counted_step
+        point = step.shared if step is not None and num_items_in_batch is step.total else self._evaluation_point
+        given = self._own_loss.given_point(self, point) if point is not None else contextlib.nullcontext()
+        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _main_input_name(self) -> str:
@@ -269,12 +279,16 @@ class ExactLossOverrides:
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         self.exact.evaluation.start(self.args.exact_loss, keep_outputs=not prediction_loss_only)
+        own = self._trainer_loss_head() if self.args.exact_loss else None
+        if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
+            self._evaluation_point = own.evaluation_point(self, dataloader, self.accelerator.gather_for_metrics)
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
             exact = self.exact.evaluation.finish(self.exact.engine)
+            self._evaluation_point = None
         if exact is not None:
             # Stock reports the mean of per-batch means; this is sum of losses / sum of items over the whole set.
             output.metrics[f"{metric_key_prefix}_loss"] = exact

@@ -34,6 +34,10 @@ SETTINGS = {
     "dpo_ipo": ("DPOTrainer", {"loss_type": "ipo"}),
     "reward_centred": ("RewardTrainer", {"center_rewards_coefficient": 0.1}),
     "reward_margin": ("RewardTrainer", {"margins": True}),
+    "kto": ("KTOTrainer", {"beta": 1.0}),  # a KL term large enough that a micro-batch's point moves the update
+    "kto_weighted": ("KTOTrainer", {"desirable_weight": 1.3, "undesirable_weight": 0.8}),
+    "kto_precomputed": ("KTOTrainer", {"precompute_ref_log_probs": True}),
+    "kto_apo": ("KTOTrainer", {"loss_type": "apo_zero_unpaired"}),
 }
 
 
@@ -54,12 +58,17 @@ def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_
     name, settings = SETTINGS[setting]
     initial = CASES[name].model(0).state_dict()
     run = {"rows": 5, "settings": settings}
-    whole = train_split(trl, name, getattr(trl, name), str(tmp_path / "whole"), per_device=5, eval_batch=5, **run)
     split = {"per_device": 2, "accumulation": 3, "eval_batch": 2, **run}
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path / "whole"), per_device=5, eval_batch=5,
+                        kl_pairs=2, **run)  # fmt: skip
     ours = train_split(trl, name, _parallel(name), str(tmp_path / "ours"), **split)
     stock = train_split(trl, name, getattr(trl, name), str(tmp_path / "stock"), **split)
     _assert_exact(ours, whole, initial, setting)
     assert not any("overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+    if name == "KTOTrainer" and settings.get("loss_type") != "apo_zero_unpaired":
+        # The KL reference point TRL logs: the whole step's on every micro-batch, where stock estimates one on each.
+        assert ours["metrics"]["kl"] == pytest.approx(whole["metrics"]["kl"], rel=LOSS)
+        assert stock["metrics"]["kl"] != pytest.approx(whole["metrics"]["kl"], rel=10 * LOSS)
     # Stock TRL on the same split: a mean of micro-batch means (the pairs' losses, the evaluation's batches).
     if name == "SFTTrainer":  # TRL's SFT divides by the step's tokens; its evaluation still takes a mean of means
         assert stock["eval_loss"] != pytest.approx(whole["eval_loss"], rel=10 * LOSS)
@@ -103,7 +112,7 @@ def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypa
 # ---- 2 DDP ranks, steps of 2 x 2 rows ----
 # 10 rows: the epoch's last step holds 2 (rank 1's batch all repeated rows); 11 rows: 3 (rank 1's 1 real, 1 repeated).
 # Evaluation in batches of 3 a rank: the last batch holds 4 or 5 rows, rank 1's 1 or 2 real, the rest repeated.
-RANKED = ("sft", "dpo", "reward_centred", "reward_margin")
+RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto")
 ROWS = (10, 11)
 
 
@@ -138,7 +147,7 @@ def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ra
     name, settings = SETTINGS[setting]
     initial = CASES[name].model(0).state_dict()
     whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=rows, per_device=4, eval_batch=rows,
-                        settings=settings)  # fmt: skip
+                        settings=settings, kl_pairs=2)  # fmt: skip
     _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)
     # Stock trains the repeated rows of the last step: its update is off.
     assert update_error(ranks[setting, rows, "stock"]["weights"], whole["weights"], initial) > 0.05

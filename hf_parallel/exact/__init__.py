@@ -38,7 +38,7 @@ C its own way (`heads`); a head takes one route (`heads.Route`), set in one plac
 | `MODEL_LOSS` | a per-position cross-entropy whose model honours the count | S / C in one forward, no logits (Liger) |
 | `LABELS_IN_FORWARD` | seq2seq LMs building decoder inputs in the forward; CTC | the model needs its labels |
 | `USER_LOSS` | any head, with the Trainer's `compute_loss_func` | the user's loss, given C; the head counts |
-| `TRAINER_LOSS` | TRL's SFT, DPO, reward trainers (`heads.trainers`) | its own `compute_loss`, S made of it |
+| `TRAINER_LOSS` | TRL's SFT, DPO, reward, KTO trainers (`heads.trainers`) | its own `compute_loss`, S made of it |
 
 No head (a model whose loss cannot be recomputed, or a Trainer that overrides `compute_loss`): the stock loss, with
 one warning. The one step every run takes (`step`: count, per-micro-batch loss, reduction), the check and how to add a
@@ -64,7 +64,7 @@ from .heads import (
 )
 from .heads.base import sequence_length
 from .heads.contrastive import rows_of
-from .heads.trainers import trainer_loss_head
+from .heads.trainers import KtoHead, trainer_loss_head
 from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, ragged_gathers, real_rows
 from .replicas import (
     AUTOCAST_DTYPES,
@@ -90,6 +90,7 @@ __all__ = [
     "EvalTotals",
     "Evaluation",
     "ExactLoss",
+    "KtoHead",
     "LoopPadding",
     "LossHead",
     "ModelLossCheck",

@@ -96,6 +96,8 @@ class StepCounts:
             each candidate head's counts by its causal shift, so that the head the check settles on finds its count
             made already (`for_head`).
         head (`LossHead`, *optional*): the head counted; `settled` when no check can change it any more.
+        shared (`torch.Tensor`, *optional*): a statistic of the whole step that every micro-batch's loss takes (KTO's
+            KL reference point, `heads.trainers.KtoHead`).
     """
 
     counts: torch.Tensor
@@ -107,6 +109,7 @@ class StepCounts:
     by_shift: dict[bool, torch.Tensor] | None = None
     head: LossHead | None = None
     settled: bool = False
+    shared: torch.Tensor | None = None
 
     def for_head(self, head: LossHead | None) -> StepCounts:
         """The counts of `head`, one of the candidates the step was counted for (itself where there was one)."""

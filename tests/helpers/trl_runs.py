@@ -167,12 +167,15 @@ SPLIT_SETTINGS = {
 
 def train_split(
     trl, name: str, trainer_cls: type, output_dir: str, *, rows: int, per_device: int, accumulation: int = 1,
-    eval_batch: int | None = None, settings: dict | None = None,
+    eval_batch: int | None = None, settings: dict | None = None, kl_pairs: int | None = None,
 ) -> dict:  # fmt: skip
     """
     `trainer_cls` (TRL's `name` trainer, or one with hf_parallel's mixin) for one epoch of `rows` rows, `per_device`
     rows a micro-batch and `accumulation` micro-batches a step: `eval_loss` at the initial weights (batches of
     `eval_batch` rows, when given), the logged loss of each step and the trained weights (rank 0's, on every rank).
+    KTO pairs each prompt with another row's completion for its KL term, in chunks of the per-device batch as it
+    prepares the dataset: `kl_pairs` prepares it in chunks of that size instead (a whole step then holds the split
+    one's pairs).
     """
     import datasets
 
@@ -183,7 +186,7 @@ def train_split(
     margins = settings.pop("margins", False)  # the reward trainer's `margin` column, one value a pair
     args = config_cls(
         output_dir=output_dir, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
-        seed=0, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        seed=0, per_device_train_batch_size=kl_pairs or per_device, gradient_accumulation_steps=accumulation,
         per_device_eval_batch_size=eval_batch or 1, **{**SPLIT_SETTINGS, **case.settings, **settings},
     )  # fmt: skip
     if exact_loss is not None:
@@ -195,8 +198,12 @@ def train_split(
         processing_class=tokenizer(), **case.extra(),
     )  # fmt: skip
     trainer.remove_callback(transformers.PrinterCallback)  # the logs are in state.log_history
+    if kl_pairs:  # the dataset is prepared: train in micro-batches of `per_device`
+        args.per_device_train_batch_size = per_device
+        trainer._train_batch_size = args.train_batch_size
     result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
     trainer.train()
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    result["metrics"] = next(log for log in trainer.state.log_history if "loss" in log)  # the first step's, TRL's too
     result["weights"] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
     return result

@@ -1,20 +1,25 @@
 """
-Trainer subclasses that compute their own loss (TRL's SFT, DPO and reward trainers) as head families. The subclass's
-`compute_loss` stays the micro-batch's loss, with its fused LM head, its loss types and its metrics; the head says what
-an item of the step is and how that loss makes the micro-batch's sum S (`Route.TRAINER_LOSS`). The step then divides
-by the whole step's items, as for every head:
+Trainer subclasses that compute their own loss (TRL's SFT, DPO, reward and KTO trainers) as head families. The
+subclass's `compute_loss` stays the micro-batch's loss, with its fused LM head, its loss types and its metrics; the
+head says what an item of the step is and how that loss makes the micro-batch's sum S (`Route.TRAINER_LOSS`). The
+step then divides by the whole step's items, as for every head:
 
 | trainer | an item | its loss, given `num_items_in_batch` = n | S |
 |---|---|---|---|
 | `SFTTrainer` (`nll`, `dft`) | a label token after the causal shift | S / n, times TRL's DDP factor f | loss x n / f |
 | `DPOTrainer`, `RewardTrainer` | a preference pair (a chosen, a rejected row) | its pairs' mean | loss x pairs |
+| `KTOTrainer` | a row, given the step's KL reference point (`KtoHead`) | its rows' mean | loss x rows |
 
-A trainer whose loss is neither keeps its own loss, warned naming why: KTO (its KL reference point is estimated on
-each micro-batch), GRPO, RLOO, distillation (their own normalisations), DPO with its `sft` term (a token mean of each
-micro-batch). The trainer is known by the class that defines `compute_loss` (TRL's own, not a user's override of it).
+A trainer whose loss is none of these keeps its own loss, warned naming why: GRPO, RLOO, distillation (their own
+normalisations), DPO with its `sft` term (a token mean of each micro-batch). The trainer is known by the class that
+defines `compute_loss` (TRL's own, not a user's override of it).
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +27,7 @@ from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
 from .tokens import CrossEntropyHead
 
-__all__ = ["PairMeanHead", "TokenSumHead", "trainer_loss_head"]
+__all__ = ["KtoHead", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
 
 
 class TokenSumHead(CrossEntropyHead):
@@ -43,28 +48,127 @@ class TokenSumHead(CrossEntropyHead):
         return loss.float() * given.to(loss.device) / self.factor
 
 
-class PairMeanHead(LossHead):
+class SampleMeanHead(LossHead):
     """
-    A loss that is the mean over a batch's preference pairs of a per-pair loss (DPO's loss types and their weighted
-    sums, the reward model's Bradley-Terry loss with its margin and centring term). A batch holds each pair as two
-    rows, the chosen ones first: `[chosen; rejected]` (`rows_per_sample` 2).
+    A loss that is the mean over a batch's samples of a per-sample loss: DPO's loss types and their weighted sums and
+    the reward model's Bradley-Terry loss with its margin and centring term, over preference pairs (a batch holds each
+    pair as two rows, the chosen ones first: `[chosen; rejected]`, `rows_per_sample` 2); KTO's, over rows.
     """
 
     route = Route.TRAINER_LOSS
-    rows_per_sample = 2
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, rows_per_sample: int = 2):
         super().__init__(label_keys=(), name=name)
+        self.rows_per_sample = rows_per_sample
 
     def count(self, batch: dict, seq_len: int | None = None) -> torch.Tensor:
-        """The pairs of a batch, those an epoch's last step repeated (`REAL_ROWS_KEY`) left out."""
-        pairs = rows_of(batch) // self.rows_per_sample
+        """The samples of a batch, those an epoch's last step repeated (`REAL_ROWS_KEY`) left out."""
+        samples = rows_of(batch) // self.rows_per_sample
         real = batch.get(REAL_ROWS_KEY)
-        return torch.tensor([pairs if real is None else min(int(real), pairs)])
+        return torch.tensor([samples if real is None else min(int(real), samples)])
 
     def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """S of a micro-batch of `items` pairs from the subclass's loss, their mean."""
+        """S of a micro-batch of `items` samples from the subclass's loss, their mean."""
         return loss.float() * items
+
+
+class KtoHead(SampleMeanHead):
+    """
+    KTO's loss: a weighted mean over rows, each a desirable or an undesirable completion, measured against a KL
+    reference point, the mean over rows of the policy's minus the reference model's log-probability of a mismatched
+    completion (TRL pairs each prompt with another row's). TRL estimates the point on each micro-batch (and averages
+    ranks' means); here it is made once over the whole step's rows, or the whole evaluation set's, by a forward without
+    gradient (`reference_point`), and each micro-batch's loss is given it in place of its own forwards of those rows
+    (`given_point`): the same forwards, once.
+    """
+
+    def __init__(self, owner: type):
+        super().__init__("trl_kto", rows_per_sample=1)
+        self.trl_module = (
+            owner.__module__
+        )  # TRL's helpers of its KL forwards (adapters, checkpointing), as it calls them
+
+    def differences(self, trainer, batch: dict) -> torch.Tensor:
+        """Per row of `batch`, the policy's minus the reference model's log-probability of its KL completion."""
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            batch = trainer._prepare_inputs(batch)
+            policy = trainer._compute_kl_logps(trainer.model, batch)
+            if trainer.precompute_ref_logps:
+                return policy - batch["ref_KL_logps"]
+            trl = sys.modules[self.trl_module]
+            with trl.disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+                if trl.is_peft_model(trainer.model) and trainer.ref_model is None:
+                    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+                    adapter = "ref" if "ref" in unwrapped.peft_config else None
+                    with trl.use_adapter(unwrapped, adapter_name=adapter):
+                        return policy - trainer._compute_kl_logps(trainer.model, batch)
+                return policy - trainer._compute_kl_logps(trainer.ref_model, batch)
+
+    def step_point(self, trainer, batches: list[dict], add: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """
+        The point of a training step: the mean of `differences` over `batches`' real rows (an epoch's repeated rows,
+        `REAL_ROWS_KEY`, left out), their sum and rows added over ranks by `add`.
+        """
+        totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
+        for batch in batches:
+            batch = dict(batch)
+            rows = rows_of(batch)
+            real = min(int(batch.pop(REAL_ROWS_KEY, rows)), rows)
+            if real:
+                differences = self.differences(trainer, _first_rows(batch, rows, real))
+                totals += torch.stack([differences.double().sum(), totals.new_tensor(real)])
+        return _mean(add(totals))
+
+    def evaluation_point(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The point of an evaluation: the mean of `differences` over the whole set, each batch's rows of every rank
+        gathered by `gather` (accelerate's `gather_for_metrics`, which leaves out an epoch's repeated rows)."""
+        was_training = trainer.model.training
+        trainer.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
+        try:
+            for batch in dataloader:
+                differences = gather(self.differences(trainer, batch).double())
+                totals += torch.stack([differences.sum(), totals.new_tensor(len(differences))])
+        finally:
+            trainer.model.train(was_training)
+        return _mean(totals)
+
+    @contextlib.contextmanager
+    def given_point(self, trainer, point: torch.Tensor):
+        """
+        Within, TRL's loss takes `point` as its KL reference point: of the two forwards of a batch's KL rows it makes
+        (the policy's, then the reference model's), the first returns the point (plus a precomputed reference value,
+        which TRL then subtracts) and the second 0.
+        """
+        calls = []
+
+        def given(model, batch):
+            rows = batch["KL_input_ids"].shape[0]
+            calls.append(model)
+            if len(calls) > 1:
+                return torch.zeros(rows, device=point.device)
+            value = point.to(batch["KL_input_ids"].device).expand(rows)
+            return value + batch["ref_KL_logps"] if trainer.precompute_ref_logps else value
+
+        trainer._compute_kl_logps = given
+        try:
+            yield
+        finally:
+            vars(trainer).pop("_compute_kl_logps", None)
+
+
+def _first_rows(batch: dict, rows: int, real: int) -> dict:
+    """`batch` with every tensor of `rows` rows cut to its first `real`."""
+    cut = {
+        key: value[:real]
+        for key, value in batch.items()
+        if torch.is_tensor(value) and value.dim() and len(value) == rows
+    }
+    return {**batch, **cut}
+
+
+def _mean(totals: torch.Tensor) -> torch.Tensor:
+    return (totals[0] / totals[1].clamp(min=1)).float()
 
 
 def _loss_types(args) -> list[str]:
@@ -91,11 +195,12 @@ def trainer_loss_head(owner: type, args, ranks: int) -> LossHead | str | None:
                 "its 'sft' loss term is a mean over the chosen tokens of each micro-batch, which the other terms' "
                 "per-pair means cannot be told apart from."
             )
-        return PairMeanHead("trl_dpo")
+        return SampleMeanHead("trl_dpo")
     if name == "RewardTrainer":
-        return PairMeanHead("trl_reward")
+        return SampleMeanHead("trl_reward")
+    if name == "KTOTrainer":
+        return KtoHead(owner)
     reasons = {
-        "KTOTrainer": "its KL reference point is estimated on each micro-batch.",
         "GRPOTrainer": "its loss is normalised by its own token counts (loss_type).",
         "RLOOTrainer": "its loss is normalised by its own token counts.",
         "DistillationTrainer": "its loss is normalised by its own token counts.",
