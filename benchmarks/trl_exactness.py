@@ -32,6 +32,8 @@ CASES = {
     "SFT, 2 DDP ranks, 10 rows in steps of 4": ("SFTTrainer", {}, 10, 2, 1, 3, True),
     "DPO, 2 DDP ranks, 10 pairs in steps of 4": ("DPOTrainer", {}, 10, 2, 1, 3, True),
     "reward model, 2 DDP ranks, the same": ("RewardTrainer", {"center_rewards_coefficient": 0.1}, 10, 2, 1, 3, True),
+    "SFT on a Mixtral (router term), 5 rows as 2 + 2 + 1": ("SFTTrainer", {"moe": True}, 5, 2, 3, 2, False),
+    "DPO on a Mixtral (router term), 5 pairs as 2 + 2 + 1": ("DPOTrainer", {"moe": True}, 5, 2, 3, 2, False),
     "KTO (beta 1), 5 rows as 2 + 2 + 1": ("KTOTrainer", {"beta": 1.0}, 5, 2, 3, 2, False),
     "KTO, 2 DDP ranks, 10 rows in steps of 4": ("KTOTrainer", {"beta": 1.0}, 10, 2, 1, 3, True),
 }
@@ -78,7 +80,7 @@ def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
     import trl
 
     from tests.helpers.trl_runs import CASES as TRAINERS
-    from tests.helpers.trl_runs import train_split
+    from tests.helpers.trl_runs import moe_lm, train_split
 
     with tempfile.TemporaryDirectory() as out:
         runs = _split_runs({k: v for k, v in CASES.items() if not v[-1]}, out)
@@ -93,7 +95,7 @@ def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
                 trl, name, getattr(trl, name), str(Path(out) / "whole"), rows=n, per_device=n if n <= 5 else 4,
                 eval_batch=n, settings=settings, **pairs,
             )  # fmt: skip
-            initial = TRAINERS[name].model(0).state_dict()
+            initial = (moe_lm if settings.get("moe") else TRAINERS[name].model)(0).state_dict()
             errors = [_errors(runs[case, side], whole, initial) for side in ("stock", "hf_parallel")]
             rows.append((case, *errors))
     return rows

@@ -31,6 +31,7 @@ from .exact import (
     KtoHead,
     LossHead,
     Route,
+    RouterBalance,
     RunContext,
     StepCounts,
     count_samples,
@@ -42,6 +43,7 @@ from .exact import (
     pull_batches,
     ragged_gathers,
     replica_autocast,
+    router_balance_of,
     stock_compute_loss,
     stock_replica_precision,
     stock_training_step,
@@ -111,10 +113,17 @@ class ExactLossOverrides:
                 # Ranks that share a batch: how the subclass's loss then divides is not the one step's to know.
                 self._own_loss = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
             if isinstance(self._own_loss, LossHead) and getattr(self, "aux_loss_enabled", False):
-                self.exact.warn_once(
-                    f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary "
-                    "term it adds is its own (a mean over each micro-batch)."
-                )
+                # A MoE model's router term: TRL's (a mean over each micro-batch) held back, the whole step's added.
+                router = router_balance_of(self.model, asked=True)
+                if router is None:
+                    self.exact.warn_once(
+                        f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary "
+                        f"term it adds is its own (a mean over each micro-batch): {type(self.model).__name__}'s "
+                        "config does not name its experts (num_experts, num_experts_per_tok)."
+                    )
+                    self._own_loss = f"its MoE router term cannot be made exact for {type(self.model).__name__}."
+                else:
+                    self._own_loss.router = RouterBalance(router.experts, router.top_k, self.router_aux_loss_coef)
         return self._own_loss
 
     def _exact_loss_blocked(self) -> str | None:
@@ -213,7 +222,9 @@ class ExactLossOverrides:
         step = self._counted_step
         point = step.shared if step is not None and num_items_in_batch is step.total else self._evaluation_point
         given = self._own_loss.given_point(self, point) if point is not None else contextlib.nullcontext()
-        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given:
+        # With a MoE router, the step adds the whole step's router term (`micro_batch_loss`): TRL's held back.
+        routed = temporarily(self, "aux_loss_enabled", False) if self._own_loss.router else contextlib.nullcontext()
+        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given, routed:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _main_input_name(self) -> str:

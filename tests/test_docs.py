@@ -27,7 +27,16 @@ pytestmark = pytest.mark.usefixtures("no_gpus")
 OPTIONAL_IMPORTS = re.compile(r"^(?:from|import) (trl|datasets|peft)\b", re.M)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
+# Pages whose blocks launch ranks or train for long (about 30 s): in CI's `full` step, out of the default 8 minutes.
+LONG_PAGES = ("docs/how-to/custom-loop.md",)
+
+
+def _page(page):
+    name = str(page.relative_to(ROOT))
+    return pytest.param(page, id=name, marks=[pytest.mark.full] if name in LONG_PAGES else [])
+
+
+@pytest.mark.parametrize("page", [_page(p) for p in PAGES if python_blocks(p)])
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     imported = {m.group(1) for block in python_blocks(page) for m in OPTIONAL_IMPORTS.finditer(block.code)}
     for package in sorted(imported):

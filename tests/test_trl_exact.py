@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hf_parallel import TrainerMixin
 from hf_parallel.testing import spawn_cpu_ranks
 from tests.helpers.epochs import update_error
-from tests.helpers.trl_runs import CASES, dataset_rows, tokenizer, train_split
+from tests.helpers.trl_runs import CASES, dataset_rows, moe_lm, tokenizer, train_split
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -34,15 +34,22 @@ SETTINGS = {
     "dpo_ipo": ("DPOTrainer", {"loss_type": "ipo"}),
     "reward_centred": ("RewardTrainer", {"center_rewards_coefficient": 0.1}),
     "reward_margin": ("RewardTrainer", {"margins": True}),
+    "sft_moe": ("SFTTrainer", {"moe": True}),  # a Mixtral's router term over the whole step
+    "dpo_moe": ("DPOTrainer", {"moe": True}),
     "kto": ("KTOTrainer", {"beta": 1.0}),  # a KL term large enough that a micro-batch's point moves the update
     "kto_weighted": ("KTOTrainer", {"desirable_weight": 1.3, "undesirable_weight": 0.8}),
     "kto_precomputed": ("KTOTrainer", {"precompute_ref_log_probs": True}),
     "kto_apo": ("KTOTrainer", {"loss_type": "apo_zero_unpaired"}),
+    "kto_moe": ("KTOTrainer", {"beta": 1.0, "moe": True}),
 }
 
 
 def _parallel(name: str) -> type:
     return type(f"Parallel{name}", (TrainerMixin, getattr(trl, name)), {})
+
+
+def _model(name: str, settings: dict):
+    return moe_lm if settings.get("moe") else CASES[name].model
 
 
 def _assert_exact(result: dict, whole: dict, initial: dict, what: str) -> None:
@@ -56,7 +63,7 @@ def _assert_exact(result: dict, whole: dict, initial: dict, what: str) -> None:
 def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_path, hf_parallel_log):
     """5 rows a step as micro-batches of 2 + 2 + 1 (evaluation in batches of 2 + 2 + 1) against 5 rows at once."""
     name, settings = SETTINGS[setting]
-    initial = CASES[name].model(0).state_dict()
+    initial = _model(name, settings)(0).state_dict()
     run = {"rows": 5, "settings": settings}
     split = {"per_device": 2, "accumulation": 3, "eval_batch": 2, **run}
     whole = train_split(trl, name, getattr(trl, name), str(tmp_path / "whole"), per_device=5, eval_batch=5,
@@ -70,7 +77,9 @@ def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_
         assert ours["metrics"]["kl"] == pytest.approx(whole["metrics"]["kl"], rel=LOSS)
         assert stock["metrics"]["kl"] != pytest.approx(whole["metrics"]["kl"], rel=10 * LOSS)
     # Stock TRL on the same split: a mean of micro-batch means (the pairs' losses, the evaluation's batches).
-    if name == "SFTTrainer":  # TRL's SFT divides by the step's tokens; its evaluation still takes a mean of means
+    if name == "SFTTrainer" and not settings.get("moe"):
+        # TRL's SFT divides by the step's tokens; its evaluation still takes a mean of means (and its router term a
+        # mean over micro-batches, below)
         assert stock["eval_loss"] != pytest.approx(whole["eval_loss"], rel=10 * LOSS)
     else:
         assert update_error(stock["weights"], whole["weights"], initial) > 0.05
@@ -112,7 +121,7 @@ def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypa
 # ---- 2 DDP ranks, steps of 2 x 2 rows ----
 # 10 rows: the epoch's last step holds 2 (rank 1's batch all repeated rows); 11 rows: 3 (rank 1's 1 real, 1 repeated).
 # Evaluation in batches of 3 a rank: the last batch holds 4 or 5 rows, rank 1's 1 or 2 real, the rest repeated.
-RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto")
+RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto", "sft_moe")
 ROWS = (10, 11)
 
 
@@ -145,7 +154,7 @@ def ranks(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("setting", RANKED)
 def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ranks, tmp_path):
     name, settings = SETTINGS[setting]
-    initial = CASES[name].model(0).state_dict()
+    initial = _model(name, settings)(0).state_dict()
     whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=rows, per_device=4, eval_batch=rows,
                         settings=settings, kl_pairs=2)  # fmt: skip
     _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)

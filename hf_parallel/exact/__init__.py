@@ -64,6 +64,7 @@ from .heads import (
 )
 from .heads.base import sequence_length
 from .heads.contrastive import rows_of
+from .heads.router import RouterBalance, router_balance_of
 from .heads.trainers import KtoHead, trainer_loss_head
 from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, ragged_gathers, real_rows
 from .replicas import (
@@ -100,6 +101,7 @@ __all__ = [
     "RegressionHead",
     "ReplicaCheck",
     "Route",
+    "RouterBalance",
     "RunContext",
     "SamplerPadding",
     "StepCounts",
@@ -123,6 +125,7 @@ __all__ = [
     "replica_precision",
     "resolve_head",
     "routed",
+    "router_balance_of",
     "rows_of",
     "sequence_length",
     "stock_compute_loss",

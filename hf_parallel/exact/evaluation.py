@@ -62,7 +62,11 @@ class Evaluation:
         if self.totals is not None:
             if head.route in (Route.MODEL_LOSS, Route.TRAINER_LOSS):
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
-                self.totals.add(head, *sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0), engine))
+                router = None
+                if terms.router is not None and head.route is Route.TRAINER_LOSS:  # a subclass's held back (TRL's)
+                    router = terms.router.detach().double().sum(0, keepdim=True)
+                    router = engine.add_counts(router) if engine.count_ranks > 1 else router
+                self.totals.add(head, *sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0), engine), router)
             elif engine.data_replicas > 1:
                 # The ranks of a tensor-parallel group hold the same rows: gathering them would keep each several
                 # times, and cut an epoch's last batch by rows; each rank adds its own, padding rows masked before

@@ -118,14 +118,15 @@ def mask_padding(labels: dict, keys: tuple[str, ...], real: int, sample_ids: tor
     return masked
 
 
-def real_samples(head, batch: dict, real: int) -> dict:
+def real_samples(head, batch: dict, real: int, cut: bool = False) -> dict:
     """
     `batch` without the padding samples of an epoch's last step, for a loss computed on the batch as it is (a Trainer
-    subclass's own): a cross-entropy's padding targets ignored; for any other head every tensor whose rows are the
-    samples cut to its first `real` (a preference batch, `rows_per_sample` 2, the first `real` rows of each half). A
-    batch of padding alone stays whole: its forward must still run (DDP's gradient hooks), and its items count 0.
+    subclass's own): a cross-entropy's padding targets ignored (its rows cut too, with `cut`); for any other head
+    every tensor whose rows are the samples cut to its first `real` (a preference batch, `rows_per_sample` 2, the first
+    `real` rows of each half). A batch of padding alone stays whole: its forward must still run (DDP's gradient hooks),
+    and its items count 0.
     """
-    if head.ignore_index_items:
+    if head.ignore_index_items and not cut:
         return mask_padding(batch, TARGET_KEYS, real, sample_ids_of(head, batch))
     per = head.rows_per_sample
     samples = rows_of(batch) // per

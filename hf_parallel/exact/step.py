@@ -31,6 +31,7 @@ for batch in batches:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -278,11 +279,46 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     marked = inputs if real is None else {**inputs, REAL_ROWS_KEY: real}
     items = head.count(marked, sequence_length(inputs, context.main_input_name))
     count = step.total if step is not None else items.sum()
-    result = context.trainer_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
+    if head.router is not None:
+        inputs = {**inputs, "output_router_logits": True}
+    with _router_of_forward(head, exact.unwrap(model)) as router:
+        result = context.trainer_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
     loss, outputs = result if return_outputs else (result, None)
     items = items.to(loss.device)
     sums = head.sums(loss, count, items.sum())
-    return reduce(exact, head, Terms(sums.reshape(1, 1), items.reshape(1, 1)), step), outputs
+    stats = None
+    if router:  # the policy's router statistics, the padding rows of an epoch's last step (SFT's, kept) left out
+        stats = router[0]
+        if real is not None and (head.ignore_index_items or real == 0):  # rows not cut (SFT's; a batch of padding)
+            stats = stats.where(row_mask(len(stats), real, stats.device), 0)
+        stats = stats if step is None else stats.sum(0, keepdim=True)
+    return reduce(exact, head, Terms(sums.reshape(1, 1), items.reshape(1, 1), router=stats), step), outputs
+
+
+@contextlib.contextmanager
+def _router_of_forward(head: LossHead, model: nn.Module):
+    """
+    Around a Trainer subclass's loss with a MoE router (`head.router`: its own router term held back, see
+    `hf_parallel.exact.heads.trainers`): yields a list that receives the `[rows, 2E + 1]` router statistics of the
+    first forward of `model`'s backbone (the policy's; a reference forward follows it).
+    """
+    found: list[torch.Tensor] = []
+    if head.router is None:
+        yield found
+        return
+
+    def record(module, args, kwargs, outputs):
+        if not found:
+            rows = next(v for v in (*args, *kwargs.values()) if torch.is_tensor(v)).shape[0]
+            stats = head.router.row_stats(outputs, kwargs.get("attention_mask"), rows)
+            if stats is not None:
+                found.append(stats)
+
+    handle = model.base_model.register_forward_hook(record, with_kwargs=True)
+    try:
+        yield found
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
@@ -500,10 +536,33 @@ def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], d
     """The router statistics of the whole step, over every rank: a forward of each micro-batch without gradient, under
     the random state the training forwards then draw from again."""
     forward = exact.unwrap(model) if exact.engine.replicas else model  # a DataParallel's: on one device
+    if head.route is Route.TRAINER_LOSS:
+        forward, batches = _backbone_forward(head, exact.unwrap(model), batches)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
     return exact.engine.add_counts(router.to(device))
+
+
+def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict]) -> tuple[Callable, list[dict]]:
+    """
+    For a Trainer subclass's batches (TRL's: keys of its own beside the model's): a forward of the model's backbone,
+    which holds the router, given the inputs it takes, and the batches cut to their real samples (an epoch's repeated
+    rows out, a batch of them alone dropped).
+    """
+    backbone = model.base_model
+    accepted = inspect.signature(backbone.forward).parameters
+
+    def forward(**inputs):
+        return backbone(**{key: value for key, value in inputs.items() if key in accepted}, output_router_logits=True)
+
+    real = []
+    for batch in batches:
+        batch = dict(batch)
+        rows = batch.pop(REAL_ROWS_KEY, None)
+        if rows is None or rows > 0:
+            real.append(batch if rows is None else real_samples(head, batch, rows, cut=True))
+    return forward, real
 
 
 def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from tests.helpers.tiny import tiny
 
@@ -42,6 +49,16 @@ def _config(**overrides) -> LlamaConfig:
 def causal_lm(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(_config())
+
+
+def moe_lm(seed: int = 0) -> MixtralForCausalLM:
+    """A tiny Mixtral (4 experts, 2 a token) with a router term large enough to move an update (coefficient 0.5)."""
+    torch.manual_seed(seed)
+    config = tiny(
+        MixtralConfig, vocab_size=len(SPECIALS + WORDS), pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
 
 
 def reward_model(seed: int = 0) -> LlamaForSequenceClassification:
@@ -184,6 +201,7 @@ def train_split(
     settings = dict(settings or {})
     exact_loss = settings.pop("exact_loss", None)  # hf_parallel's field: set on the config TRL built
     margins = settings.pop("margins", False)  # the reward trainer's `margin` column, one value a pair
+    model = moe_lm if settings.pop("moe", False) else case.model  # a MoE model in place of the trainer's own
     args = config_cls(
         output_dir=output_dir, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=0, per_device_train_batch_size=kl_pairs or per_device, gradient_accumulation_steps=accumulation,
@@ -193,9 +211,12 @@ def train_split(
         args.exact_loss = exact_loss
     data = dataset_rows(case.dataset, rows)
     data = datasets.Dataset.from_list([{**row, "margin": 0.3 * i} for i, row in enumerate(data)] if margins else data)
+    extra = case.extra()
+    if model is moe_lm and "ref_model" in extra:
+        extra["ref_model"] = moe_lm(1)
     trainer = trainer_cls(
-        model=case.model(0), args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
-        processing_class=tokenizer(), **case.extra(),
+        model=model(0), args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
+        processing_class=tokenizer(), **extra,
     )  # fmt: skip
     trainer.remove_callback(transformers.PrinterCallback)  # the logs are in state.log_history
     if kl_pairs:  # the dataset is prepared: train in micro-batches of `per_device`

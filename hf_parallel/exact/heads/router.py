@@ -160,17 +160,18 @@ def text_config(config):
         return config
 
 
-def router_balance_of(model) -> RouterBalance | None:
+def router_balance_of(model, asked: bool = False) -> RouterBalance | None:
     """
     The `RouterBalance` of a transformers MoE model that returns its router logits (`output_router_logits=True` in
-    its config or its text config), from the attributes its forward reads (`num_experts`, `num_experts_per_tok`,
-    `router_aux_loss_coef`, else its text config's); None for a model without them.
+    its config or its text config, or `asked` for them in its forward), from the attributes its forward reads
+    (`num_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, else its text config's); None for a model without
+    them.
     """
     config = getattr(model, "config", None)
     if config is None:
         return None
     text = text_config(config)
-    if not (getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False)):
+    if not (asked or getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False)):
         return None
 
     def read(*names: str):
