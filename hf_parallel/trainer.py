@@ -121,7 +121,6 @@ class ExactLossOverrides:
                         f"term it adds is its own (a mean over each micro-batch): {type(self.model).__name__}'s "
                         "config does not name its experts (num_experts, num_experts_per_tok)."
                     )
-                    self._own_loss = f"its MoE router term cannot be made exact for {type(self.model).__name__}."
                 else:
                     self._own_loss.router = RouterBalance(router.experts, router.top_k, self.router_aux_loss_coef)
         return self._own_loss
@@ -291,9 +290,9 @@ class ExactLossOverrides:
             prediction_loss_only = self.args.prediction_loss_only
         self.exact.evaluation.start(self.args.exact_loss, keep_outputs=not prediction_loss_only)
         own = self._trainer_loss_head() if self.args.exact_loss else None
-        if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
-            self._evaluation_point = own.evaluation_point(self, dataloader, self.accelerator.gather_for_metrics)
         try:
+            if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
+                self._evaluation_point = own.evaluation_point(self, dataloader, self.accelerator.gather_for_metrics)
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )

@@ -188,7 +188,7 @@ IMPORTED_NAMES = (
 
 class PrivateName(NamedTuple):
     """
-    A private name of torch, DeepSpeed, transformers or accelerate that hf_parallel reads, writes, patches or imports,
+    A private name of torch, DeepSpeed, transformers, accelerate or TRL that hf_parallel reads, writes, patches or imports,
     where no public name does the same: `name` on `owner` (a dotted path to a module or class), or, for state made at
     run time (an instance attribute), a name that `source` (a dotted path to a module or class) still reads or writes.
     """
@@ -250,6 +250,8 @@ PRIVATE_NAMES = (
     PrivateName("transformers.TrainingArguments", "_n_gpu", "what n_gpu reads", "transformers.training_args"),
     # accelerate
     PrivateName("accelerate.state.PartialState", "_shared_state", "cpu_as_accelerator comes too late once it exists"),
+    # TRL (a test extra; checked where it is installed): KTO's KL forwards, run once a step and then given
+    PrivateName("trl.KTOTrainer", "_compute_kl_logps", "KTO's KL reference point over the whole step"),
 )
 
 

@@ -160,3 +160,15 @@ def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ra
     _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)
     # Stock trains the repeated rows of the last step: its update is off.
     assert update_error(ranks[setting, rows, "stock"]["weights"], whole["weights"], initial) > 0.05
+
+
+def test_a_router_without_named_experts_keeps_trl_s_router_term(tmp_path, monkeypatch, hf_parallel_log):
+    """A MoE config hf_parallel cannot read the experts of: the token loss exact, TRL's router term kept, warned."""
+    monkeypatch.setattr("hf_parallel.trainer.router_balance_of", lambda model, asked=False: None)
+    split = {"rows": 5, "per_device": 2, "accumulation": 3, "settings": {"moe": True}}
+    ours = train_split(trl, "SFTTrainer", _parallel("SFTTrainer"), str(tmp_path / "ours"), **split)
+    stock = train_split(trl, "SFTTrainer", trl.SFTTrainer, str(tmp_path / "stock"), **split)
+    assert any("router auxiliary term it adds is its own" in m for m in hf_parallel_log.messages)
+    # TRL divides SFT's tokens by the step's count already: with its own router term, the step is stock's.
+    assert ours["losses"] == pytest.approx(stock["losses"], rel=LOSS)
+    assert update_error(ours["weights"], stock["weights"], moe_lm(0).state_dict()) < UPDATE
