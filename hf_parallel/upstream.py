@@ -188,9 +188,10 @@ IMPORTED_NAMES = (
 
 class PrivateName(NamedTuple):
     """
-    A private name of torch, DeepSpeed, transformers, accelerate or TRL that hf_parallel reads, writes, patches or imports,
-    where no public name does the same: `name` on `owner` (a dotted path to a module or class), or, for state made at
-    run time (an instance attribute), a name that `source` (a dotted path to a module or class) still reads or writes.
+    A private name of torch, DeepSpeed, transformers, accelerate or TRL that hf_parallel reads, writes, patches or
+    imports, where no public name does the same: `name` on `owner` (a dotted path to a module or class), or, for state
+    made at run time (an instance attribute), a name that `source` (a dotted path to a module or class) still reads or
+    writes.
     """
 
     owner: str
