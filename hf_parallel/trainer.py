@@ -42,6 +42,7 @@ from .exact import (
     pick_engine,
     pull_batches,
     ragged_gathers,
+    real_batches,
     replica_autocast,
     router_balance_of,
     stock_compute_loss,
@@ -179,7 +180,8 @@ class ExactLossOverrides:
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
         step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
         if isinstance(head, KtoHead) and self.calculate_KL:
-            step = replace(step, shared=head.step_point(self, batch_samples, engine.add_counts))
+            real = real_batches(head, batch_samples)  # an epoch's repeated rows left out
+            step = replace(step, shared=head.step_point(self, real, engine.add_counts))
         if step.settled:
             self._settled_head = head
         return step

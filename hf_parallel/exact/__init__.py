@@ -66,7 +66,16 @@ from .heads.base import sequence_length
 from .heads.contrastive import rows_of
 from .heads.router import RouterBalance, router_balance_of
 from .heads.trainers import KtoHead, trainer_loss_head
-from .remainder import REAL_ROWS_KEY, EpochEnd, LoopPadding, SamplerPadding, epoch_end, ragged_gathers, real_rows
+from .remainder import (
+    REAL_ROWS_KEY,
+    EpochEnd,
+    LoopPadding,
+    SamplerPadding,
+    epoch_end,
+    ragged_gathers,
+    real_batches,
+    real_rows,
+)
 from .replicas import (
     AUTOCAST_DTYPES,
     caller_autocast,
@@ -119,6 +128,7 @@ __all__ = [
     "pick_engine",
     "pull_batches",
     "ragged_gathers",
+    "real_batches",
     "real_rows",
     "replica_autocast",
     "replica_check",

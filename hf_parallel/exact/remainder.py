@@ -47,6 +47,7 @@ __all__ = [
     "packed_sample_ids",
     "real_rows",
     "ragged_gathers",
+    "real_batches",
     "real_samples",
     "row_mask",
     "sample_ids_of",
@@ -139,6 +140,18 @@ def real_samples(head, batch: dict, real: int, cut: bool = False) -> dict:
         return torch.cat([part[:real] for part in value.split(samples)])
 
     return {key: cut(value) for key, value in batch.items()}
+
+
+def real_batches(head, batches: list[dict]) -> list[dict]:
+    """`batches` cut to their real samples (`real_samples`, rows cut), the padding mark taken out; a batch of an
+    epoch's repeated samples alone dropped."""
+    real = []
+    for batch in batches:
+        batch = dict(batch)
+        rows = batch.pop(REAL_ROWS_KEY, None)
+        if rows is None or rows > 0:
+            real.append(batch if rows is None else real_samples(head, batch, rows, cut=True))
+    return real
 
 
 @contextlib.contextmanager

@@ -45,7 +45,16 @@ from .coupled import contrastive_loss
 from .heads import LossHead, Route
 from .heads.base import LOSS_CALL_KEY, REAL_ROWS_KEY, sample_ids_of, sequence_length
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
-from .remainder import TARGET_KEYS, EpochEnd, epoch_end, first_rows, mask_padding, real_samples, row_mask
+from .remainder import (
+    TARGET_KEYS,
+    EpochEnd,
+    epoch_end,
+    first_rows,
+    mask_padding,
+    real_batches,
+    real_samples,
+    row_mask,
+)
 from .replicas import forward_in_replicas, outputs_device, without_cache
 from .terms import Terms, watching_loss_call
 
@@ -556,13 +565,7 @@ def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict]) -> 
     def forward(**inputs):
         return backbone(**{key: value for key, value in inputs.items() if key in accepted}, output_router_logits=True)
 
-    real = []
-    for batch in batches:
-        batch = dict(batch)
-        rows = batch.pop(REAL_ROWS_KEY, None)
-        if rows is None or rows > 0:
-            real.append(batch if rows is None else real_samples(head, batch, rows, cut=True))
-    return forward, real
+    return forward, real_batches(head, batches)
 
 
 def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:

@@ -84,9 +84,8 @@ class KtoHead(SampleMeanHead):
 
     def __init__(self, owner: type):
         super().__init__("trl_kto", rows_per_sample=1)
-        self.trl_module = (
-            owner.__module__
-        )  # TRL's helpers of its KL forwards (adapters, checkpointing), as it calls them
+        # TRL's helpers of its KL forwards (adapters, checkpointing), called as its loss calls them
+        self.trl_module = owner.__module__
 
     def differences(self, trainer, batch: dict) -> torch.Tensor:
         """Per row of `batch`, the policy's minus the reference model's log-probability of its KL completion."""
@@ -106,17 +105,13 @@ class KtoHead(SampleMeanHead):
 
     def step_point(self, trainer, batches: list[dict], add: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """
-        The point of a training step: the mean of `differences` over `batches`' real rows (an epoch's repeated rows,
-        `REAL_ROWS_KEY`, left out), their sum and rows added over ranks by `add`.
+        The point of a training step: the mean of `differences` over `batches` (cut to their real rows), their sum and
+        rows added over ranks by `add`.
         """
         totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
         for batch in batches:
-            batch = dict(batch)
-            rows = rows_of(batch)
-            real = min(int(batch.pop(REAL_ROWS_KEY, rows)), rows)
-            if real:
-                differences = self.differences(trainer, _first_rows(batch, rows, real))
-                totals += torch.stack([differences.double().sum(), totals.new_tensor(real)])
+            differences = self.differences(trainer, batch).double()
+            totals += torch.stack([differences.sum(), totals.new_tensor(len(differences))])
         return _mean(add(totals))
 
     def evaluation_point(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -155,16 +150,6 @@ class KtoHead(SampleMeanHead):
             yield
         finally:
             vars(trainer).pop("_compute_kl_logps", None)
-
-
-def _first_rows(batch: dict, rows: int, real: int) -> dict:
-    """`batch` with every tensor of `rows` rows cut to its first `real`."""
-    cut = {
-        key: value[:real]
-        for key, value in batch.items()
-        if torch.is_tensor(value) and value.dim() and len(value) == rows
-    }
-    return {**batch, **cut}
 
 
 def _mean(totals: torch.Tensor) -> torch.Tensor:
