@@ -36,6 +36,35 @@ CASES = {
     "DPO on a Mixtral (router term), 5 pairs as 2 + 2 + 1": ("DPOTrainer", {"moe": True}, 5, 2, 3, 2, False),
     "KTO (beta 1), 5 rows as 2 + 2 + 1": ("KTOTrainer", {"beta": 1.0}, 5, 2, 3, 2, False),
     "KTO, 2 DDP ranks, 10 rows in steps of 4": ("KTOTrainer", {"beta": 1.0}, 10, 2, 1, 3, True),
+    # GRPO: rows are prompts, 2 completions each (fixed: the same under every split); batches count completions
+    "GRPO bnpo, 8 prompts, steps of 4 completions as 2 + 2": ("GRPOTrainer", {"loss_type": "bnpo"}, 8, 2, 2, 6, False),
+    "GRPO dapo, generation every micro-batch, steps of 2 + 2": (
+        "GRPOTrainer",
+        {"loss_type": "dapo", "steps_per_generation": 1},
+        8,
+        2,
+        2,
+        6,
+        False,
+    ),  # fmt: skip
+    "GRPO dapo, a generation for 2 steps, first step 2 + 2": (
+        "GRPOTrainer",
+        {"loss_type": "dapo", "steps_per_generation": 4, "max_steps": 1},
+        8,
+        2,
+        2,
+        6,
+        False,
+    ),  # fmt: skip
+    "GRPO bnpo, 2 DDP ranks, 10 prompts, steps of 4 completions": (
+        "GRPOTrainer",
+        {"loss_type": "bnpo"},
+        10,
+        2,
+        1,
+        2,
+        True,
+    ),  # fmt: skip
 }
 
 
@@ -91,9 +120,12 @@ def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
         for case, (name, settings, n, per_device, *_) in CASES.items():
             # KTO's KL pairs (another row's completion) are made in chunks of the per-device batch: the split's.
             pairs = {"kl_pairs": per_device} if name == "KTOTrainer" else {}
+            evaluation = n
+            if name == "GRPOTrainer":  # the whole step's completions generated at once; the set's 2 a prompt
+                settings, evaluation = {**settings, "steps_per_generation": 1}, 2 * n
             whole = train_split(
                 trl, name, getattr(trl, name), str(Path(out) / "whole"), rows=n, per_device=n if n <= 5 else 4,
-                eval_batch=n, settings=settings, **pairs,
+                eval_batch=evaluation, settings=settings, **pairs,
             )  # fmt: skip
             initial = (moe_lm if settings.get("moe") else TRAINERS[name].model)(0).state_dict()
             errors = [_errors(runs[case, side], whole, initial) for side in ("stock", "hf_parallel")]

@@ -28,6 +28,7 @@ from .engines.reshard import load_on_any_world_size
 from .exact import (
     Engine,
     ExactLoss,
+    GenerationHead,
     KtoHead,
     LossHead,
     Route,
@@ -80,6 +81,8 @@ class ExactLossOverrides:
 
     #: KTO's KL reference point over the evaluation set, while an evaluation runs.
     _evaluation_point: torch.Tensor | None = None
+    #: The micro-batches of a step of GRPO / RLOO, made (their completions generated) before the step was counted.
+    _prepared_step: list[dict] | tuple = ()
 
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
@@ -113,6 +116,8 @@ class ExactLossOverrides:
             if isinstance(self._own_loss, LossHead) and shared:
                 # Ranks that share a batch: how the subclass's loss then divides is not the one step's to know.
                 self._own_loss = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
+            if isinstance(self._own_loss, GenerationHead) and getattr(self, "aux_loss_enabled", False):
+                self._own_loss = "its MoE router term is a mean over each micro-batch's completions."
             if isinstance(self._own_loss, LossHead) and getattr(self, "aux_loss_enabled", False):
                 # A MoE model's router term: TRL's (a mean over each micro-batch) held back, the whole step's added.
                 router = router_balance_of(self.model, asked=True)
@@ -153,7 +158,7 @@ class ExactLossOverrides:
         engine = self._engine or self._pick_engine()
         reads_end = engine.pads_epoch_end or engine.shards_sequence
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state, reads_end)
-        self._counted_step = None
+        self._counted_step, self._prepared_step = None, []
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
         self._counted_step = self._count_step(batch_samples, end, device)
@@ -170,7 +175,11 @@ class ExactLossOverrides:
         if head is None or not all(head.has_labels(batch) for batch in batch_samples):
             self.exact.labels_present(head, batch_samples)  # warns where a batch lacks the head's labels
             return None
-        if end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
+        if isinstance(head, GenerationHead):
+            # The completions are the items: generated for the step's micro-batches first, then counted. TRL's sampler
+            # deals whole generation batches to every rank: an epoch ends without padding.
+            self._prepared_step = batch_samples = head.prepare(self, batch_samples)
+        elif end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
@@ -185,6 +194,11 @@ class ExactLossOverrides:
         if step.settled:
             self._settled_head = head
         return step
+
+    def _prepare_inputs(self, inputs):
+        if self._prepared_step:  # a micro-batch the step's count prepared already (`GenerationHead.prepare`)
+            return self._prepared_step.pop(0)
+        return super()._prepare_inputs(inputs)
 
     def _pick_engine(self) -> Engine:
         """The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share, picked once per run."""
@@ -225,7 +239,12 @@ class ExactLossOverrides:
         given = self._own_loss.given_point(self, point) if point is not None else contextlib.nullcontext()
         # With a MoE router, the step adds the whole step's router term (`micro_batch_loss`): TRL's held back.
         routed = temporarily(self, "aux_loss_enabled", False) if self._own_loss.router else contextlib.nullcontext()
-        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given, routed:
+        own = self._own_loss
+        if isinstance(own, GenerationHead):  # TRL's loss the mean over the micro-batch's own items
+            mean = own.own_mean(self, inputs, training=step is not None and num_items_in_batch is step.total)
+        else:
+            mean = contextlib.nullcontext(inputs)
+        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given, routed, mean as inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _main_input_name(self) -> str:
@@ -264,7 +283,9 @@ class ExactLossOverrides:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
-            inputs = self.exact.mark_evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
+            state = accelerator.gradient_state
+            end = head.evaluation_end(state) if isinstance(head, GenerationHead) else None  # prompts repeated
+            inputs = self.exact.mark_evaluation_padding(head, inputs, state, data_rank, pads, end)
         if self._run_context is None:  # compute_loss called outside train() and evaluate()
             self._pick_engine()
         context = self._run_context

@@ -251,8 +251,11 @@ PRIVATE_NAMES = (
     PrivateName("transformers.TrainingArguments", "_n_gpu", "what n_gpu reads", "transformers.training_args"),
     # accelerate
     PrivateName("accelerate.state.PartialState", "_shared_state", "cpu_as_accelerator comes too late once it exists"),
-    # TRL (a test extra; checked where it is installed): KTO's KL forwards, run once a step and then given
+    # TRL (a test extra; checked where it is installed): KTO's KL forwards, run once a step and then given; GRPO's and
+    # RLOO's micro-batch counter, which says where a generation batch starts, set as each micro-batch will have it
     PrivateName("trl.KTOTrainer", "_compute_kl_logps", "KTO's KL reference point over the whole step"),
+    PrivateName("trl.GRPOTrainer", "_step", "a step's completions generated before it is counted", "trl.GRPOTrainer"),
+    PrivateName("trl.RLOOTrainer", "_step", "a step's completions generated before it is counted", "trl.RLOOTrainer"),
 )
 
 

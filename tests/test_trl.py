@@ -21,7 +21,7 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 SFTConfig, SFTTrainer = trl.SFTConfig, trl.SFTTrainer
 #: The trainers whose own loss hf_parallel makes exact (hf_parallel.exact.heads.trainers).
-EXACT_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer", "KTOTrainer")
+EXACT_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
 
 
 class ParallelSFTTrainer(TrainerMixin, SFTTrainer):

@@ -85,6 +85,50 @@ def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_
         assert update_error(stock["weights"], whole["weights"], initial) > 0.05
 
 
+# GRPO and RLOO generate their completions (made fixed by tests/helpers/trl_runs.py: the same rows under every split):
+# 8 prompts, two completions each; a step of 4 completions as 2 micro-batches of 2 with `steps_per_generation` equal to
+# the accumulation steps, smaller or larger; evaluation in batches of 6 + 6 + 4 completions. The whole step: its 4
+# completions generated and trained at once, the evaluation's 16 in one batch. Stock TRL is off where its loss divides
+# by a count other than the step's (the micro-batch's tokens, the generation batch's share), in the update or in
+# eval_loss (a mean of batch means weighted by completions); a mean over completions is exact in stock too.
+GENERATING_SETTINGS = {
+    "grpo": ("GRPOTrainer", {}, None),
+    "grpo_bnpo": ("GRPOTrainer", {"loss_type": "bnpo"}, "update"),
+    "grpo_dr": ("GRPOTrainer", {"loss_type": "dr_grpo"}, None),
+    "grpo_dapo": ("GRPOTrainer", {"loss_type": "dapo"}, "eval_loss"),
+    "grpo_dapo_late": ("GRPOTrainer", {"loss_type": "dapo", "steps_per_generation": 4}, "update"),
+    "grpo_dapo_early": ("GRPOTrainer", {"loss_type": "dapo", "steps_per_generation": 1}, "update"),
+    "grpo_sapo": ("GRPOTrainer", {"loss_type": "sapo"}, None),
+    "grpo_cispo": ("GRPOTrainer", {"loss_type": "cispo"}, "eval_loss"),
+    "grpo_vespo": ("GRPOTrainer", {"loss_type": "vespo"}, "eval_loss"),
+    "grpo_luspo": ("GRPOTrainer", {"loss_type": "luspo", "importance_sampling_level": "sequence"}, None),
+    "grpo_kl": ("GRPOTrainer", {"loss_type": "bnpo", "beta": 0.5}, "update"),
+    "rloo": ("RLOOTrainer", {}, None),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(GENERATING_SETTINGS))
+def test_a_generating_trainer_s_split_step_is_the_whole_step(setting, tmp_path, hf_parallel_log):
+    name, settings, stock_off = GENERATING_SETTINGS[setting]
+    initial = _model(name, settings)(0).state_dict()
+    run = {"rows": 8, "settings": {"max_steps": 1, "steps_per_generation": 2, **settings}}
+    split = {"per_device": 2, "accumulation": 2, "eval_batch": 6, **run}
+    whole_settings = {**run["settings"], "steps_per_generation": 1}
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path / "whole"), rows=8, per_device=4, eval_batch=16,
+                        settings=whole_settings)  # fmt: skip
+    ours = train_split(trl, name, _parallel(name), str(tmp_path / "ours"), **split)
+    assert not any("overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+    assert ours["losses"] == pytest.approx(whole["losses"], rel=LOSS, abs=1e-7), setting
+    assert ours["eval_loss"] == pytest.approx(whole["eval_loss"], rel=LOSS, abs=1e-7), setting
+    assert update_error(ours["weights"], whole["weights"], initial) < UPDATE, setting
+    if stock_off is not None:
+        stock = train_split(trl, name, getattr(trl, name), str(tmp_path / "stock"), **split)
+        if stock_off == "update":
+            assert update_error(stock["weights"], whole["weights"], initial) > 0.05
+        else:
+            assert stock["eval_loss"] != pytest.approx(whole["eval_loss"], rel=10 * LOSS)
+
+
 def test_an_unknown_loss_keeps_the_trainer_s_own_and_says_why(tmp_path, hf_parallel_log):
     """DPO's 'sft' term is a token mean of each micro-batch: stock TRL's loss, warned naming it."""
     settings = {"loss_type": ["sigmoid", "sft"]}
@@ -94,6 +138,19 @@ def test_an_unknown_loss_keeps_the_trainer_s_own_and_says_why(tmp_path, hf_paral
                        accumulation=2, settings=settings)  # fmt: skip
     assert ours["losses"] == stock["losses"]
     assert any("'sft' loss term" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [({"entropy_coef": 0.05}, "entropy bonus"), ({"top_entropy_quantile": 0.5}, "entropy mask")],
+)
+def test_a_grpo_term_made_per_micro_batch_keeps_trl_s_loss_and_says_why(settings, reason, tmp_path, hf_parallel_log):
+    """GRPO's entropy bonus and entropy mask are taken over each micro-batch's tokens: TRL's loss, warned naming it."""
+    split = {"rows": 8, "per_device": 2, "accumulation": 2, "settings": {"max_steps": 1, **settings}}
+    stock = train_split(trl, "GRPOTrainer", trl.GRPOTrainer, str(tmp_path / "stock"), **split)
+    ours = train_split(trl, "GRPOTrainer", _parallel("GRPOTrainer"), str(tmp_path / "ours"), **split)
+    assert ours["losses"] == stock["losses"]
+    assert any(reason in m for m in hf_parallel_log.messages), hf_parallel_log.messages
 
 
 @pytest.mark.parametrize("name", ["SFTTrainer", "DPOTrainer"])
@@ -121,8 +178,15 @@ def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypa
 # ---- 2 DDP ranks, steps of 2 x 2 rows ----
 # 10 rows: the epoch's last step holds 2 (rank 1's batch all repeated rows); 11 rows: 3 (rank 1's 1 real, 1 repeated).
 # Evaluation in batches of 3 a rank: the last batch holds 4 or 5 rows, rank 1's 1 or 2 real, the rest repeated.
-RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto", "sft_moe")
+# GRPO's bnpo: 10 or 11 prompts (the last dropped by TRL's sampler in training, which deals whole generation batches),
+# two completions each, in steps of 2 a rank, each rank's loss a mean over its own tokens in stock; evaluation in
+# batches of 2 a rank (11 prompts: the last batch rank 0's 2 real rows, rank 1's 2 repeated).
+RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto", "sft_moe", "grpo_bnpo")
 ROWS = (10, 11)
+
+
+def _setting(setting: str) -> tuple[str, dict]:
+    return SETTINGS[setting] if setting in SETTINGS else GENERATING_SETTINGS[setting][:2]
 
 
 def _ranks_worker(out_dir: str) -> None:
@@ -132,11 +196,13 @@ def _ranks_worker(out_dir: str) -> None:
     results = {}
     for rows in ROWS:
         for setting in RANKED:
-            name, settings = SETTINGS[setting]
+            name, settings = _setting(setting)
             for label, cls in (("ours", _parallel(name)), ("stock", getattr(trl, name))):
                 out = str(Path(out_dir) / f"{setting}-{rows}-{label}-{dist.get_rank()}")
+                # GRPO's evaluation batches hold whole groups (a prompt's completions are made of its group's rows)
+                evaluation = 2 if name == "GRPOTrainer" else 3
                 results[setting, rows, label] = train_split(
-                    trl, name, cls, out, rows=rows, per_device=2, eval_batch=3, settings=settings
+                    trl, name, cls, out, rows=rows, per_device=2, eval_batch=evaluation, settings=settings
                 )
                 AcceleratorState._reset_state()  # each Trainer builds its own accelerator; the process group stays
     torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
@@ -153,10 +219,12 @@ def ranks(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("setting", RANKED)
 def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ranks, tmp_path):
-    name, settings = SETTINGS[setting]
+    name, settings = _setting(setting)
     initial = _model(name, settings)(0).state_dict()
-    whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=rows, per_device=4, eval_batch=rows,
-                        settings=settings, kl_pairs=2)  # fmt: skip
+    generating = name == "GRPOTrainer"  # evaluation rows: a prompt's two completions
+    whole = train_split(trl, name, getattr(trl, name), str(tmp_path), rows=rows, per_device=4,
+                        eval_batch=rows * (2 if generating else 1), settings=settings,
+                        kl_pairs=None if generating else 2)  # fmt: skip
     _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)
     # Stock trains the repeated rows of the last step: its update is off.
     assert update_error(ranks[setting, rows, "stock"]["weights"], whole["weights"], initial) > 0.05

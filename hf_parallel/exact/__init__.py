@@ -65,7 +65,7 @@ from .heads import (
 from .heads.base import sequence_length
 from .heads.contrastive import rows_of
 from .heads.router import RouterBalance, router_balance_of
-from .heads.trainers import KtoHead, trainer_loss_head
+from .heads.trainers import GenerationHead, KtoHead, trainer_loss_head
 from .remainder import (
     REAL_ROWS_KEY,
     EpochEnd,
@@ -100,6 +100,7 @@ __all__ = [
     "EvalTotals",
     "Evaluation",
     "ExactLoss",
+    "GenerationHead",
     "KtoHead",
     "LoopPadding",
     "LossHead",

@@ -215,20 +215,22 @@ class ExactLoss:
         self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
         return False
 
-    def mark_evaluation_padding(self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool):
+    def mark_evaluation_padding(
+        self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool, end: EpochEnd | None = None
+    ):
         """
         A copy of the last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding,
         for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
         forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
         are 0 too. Under tensor parallelism (nothing is gathered) for every head. `inputs` itself for any other head,
-        and without DDP.
+        and without DDP. `end`: where the set ends, when not where accelerate's dataloader says.
         """
         if self.num_processes == 1 or (
             not head.ignore_index_items and head.route is not Route.TRAINER_LOSS and self.engine.data_replicas == 1
         ):
             return inputs
         inputs = dict(inputs)
-        self.mark_padding(head, [inputs], epoch_end(gradient_state), process_index, pads)
+        self.mark_padding(head, [inputs], end or epoch_end(gradient_state), process_index, pads)
         return inputs
 
     def mark_padding(

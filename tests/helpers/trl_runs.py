@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random
+import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 import transformers
@@ -89,6 +92,29 @@ def dataset_rows(kind: str, n: int) -> list[dict]:
     if kind == "prompt_only":
         return [{"prompt": p} for p in prompts]
     raise ValueError(f"unknown dataset kind {kind!r}")
+
+
+def fixed_completions(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """
+    Completions of 1 to 4 words and an end token, each made of its prompt's tokens and its place among the prompt's
+    consecutive repeats (TRL's samplers put a prompt's generations next to each other): the same rows under every split
+    of a step whose batches hold whole groups, so that only the loss differs, and lengths that differ within a group
+    (their rewards do) and between micro-batches (their token counts do).
+    """
+    completions, previous, repeat = [], None, 0
+    for ids in prompt_ids:
+        repeat = repeat + 1 if ids == previous else 0
+        previous = ids
+        words = 1 + (len(ids) + sum(ids) + repeat) % 4
+        first = len(SPECIALS)
+        completions.append([first + (7 * sum(ids) + 5 * repeat + 3 * j) % len(WORDS) for j in range(words)] + [3])
+    return completions
+
+
+def fixed_rollout(prompts: list[str], trainer) -> dict:
+    """GRPO's `rollout_func`, its public hook for a generator of one's own: `fixed_completions`."""
+    prompt_ids = [trainer.processing_class(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return {"prompt_ids": prompt_ids, "completion_ids": fixed_completions(prompt_ids), "logprobs": None}
 
 
 def word_count_reward(completions: list[str], **kwargs) -> list[float]:
@@ -174,6 +200,17 @@ def run_one_step(trl, case: TrlCase, trainer_cls: type, output_dir: str, rows: i
 
 # ---- A TRL trainer on a split step and on the whole one (tests/test_trl_exact.py) ----
 
+#: The trainers that generate their completions: two a prompt, up to 5 tokens, prompts in order; no clipping of the
+#: gradient's norm (a loss off by a factor, dapo's, would leave a clipped update as it is).
+_GENERATING = {"num_generations": 2, "max_completion_length": 5, "shuffle_dataset": False, "max_grad_norm": 0.0}
+GENERATING = {"GRPOTrainer": _GENERATING, "RLOOTrainer": {**_GENERATING, "beta": 0.0}}
+
+
+def _fixed_single_turn(self, prompt_ids, images, multimodal_fields):
+    """RLOO's generator, replaced: `fixed_completions`."""
+    return fixed_completions(prompt_ids)
+
+
 #: One epoch, rows in order, plain SGD in fp32 (TRL's configs default to bf16), a loss logged every step: a split
 #: step and the whole one then see the same rows, and their updates can be compared.
 SPLIT_SETTINGS = {
@@ -199,13 +236,17 @@ def train_split(
     case = CASES[name]
     config_cls = getattr(trl, case.config)
     settings = dict(settings or {})
+    generating = name in GENERATING
+    if generating:  # rows are prompts; per_device and eval_batch count completions (num_generations a prompt)
+        settings = {**GENERATING[name], **settings}
     exact_loss = settings.pop("exact_loss", None)  # hf_parallel's field: set on the config TRL built
     margins = settings.pop("margins", False)  # the reward trainer's `margin` column, one value a pair
     model = moe_lm if settings.pop("moe", False) else case.model  # a MoE model in place of the trainer's own
     args = config_cls(
         output_dir=output_dir, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", disable_tqdm=True,
         seed=0, per_device_train_batch_size=kl_pairs or per_device, gradient_accumulation_steps=accumulation,
-        per_device_eval_batch_size=eval_batch or 1, **{**SPLIT_SETTINGS, **case.settings, **settings},
+        per_device_eval_batch_size=eval_batch or 1,
+        **{**SPLIT_SETTINGS, **({} if generating else case.settings), **settings},
     )  # fmt: skip
     if exact_loss is not None:
         args.exact_loss = exact_loss
@@ -214,16 +255,29 @@ def train_split(
     extra = case.extra()
     if model is moe_lm and "ref_model" in extra:
         extra["ref_model"] = moe_lm(1)
+    if name == "GRPOTrainer":
+        extra["rollout_func"] = fixed_rollout
+    if name == "RLOOTrainer":  # no rollout hook: its generator replaced in a subclass
+        trainer_cls = type(trainer_cls.__name__, (trainer_cls,), {"_generate_single_turn": _fixed_single_turn})
+    policy = model(0)
+    if generating and args.beta:  # GRPO loads its reference model from the policy's path: another model saved there
+        model(1).save_pretrained(f"{output_dir}/reference")
+        policy.config.name_or_path = f"{output_dir}/reference"
     trainer = trainer_cls(
-        model=model(0), args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
+        model=policy, args=args, train_dataset=data, eval_dataset=data if eval_batch else None,
         processing_class=tokenizer(), **extra,
     )  # fmt: skip
     trainer.remove_callback(transformers.PrinterCallback)  # the logs are in state.log_history
     if kl_pairs:  # the dataset is prepared: train in micro-batches of `per_device`
         args.per_device_train_batch_size = per_device
         trainer._train_batch_size = args.train_batch_size
-    result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
-    trainer.train()
+    # A generation batch's rows in order (TRL shuffles them before it deals them to micro-batches): a step split over
+    # a generation batch of several steps holds the rows of the whole step's own generation batch.
+    module = sys.modules[getattr(trl, name).__module__]
+    in_order = mock.patch.object(module, "shuffle_sequence_dict", lambda rows: rows) if generating else nullcontext()
+    with in_order:
+        result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
+        trainer.train()
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     result["metrics"] = next(log for log in trainer.state.log_history if "loss" in log)  # the first step's, TRL's too
     result["weights"] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}

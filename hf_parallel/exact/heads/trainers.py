@@ -9,10 +9,11 @@ step then divides by the whole step's items, as for every head:
 | `SFTTrainer` (`nll`, `dft`) | a label token after the causal shift | S / n, times TRL's DDP factor f | loss x n / f |
 | `DPOTrainer`, `RewardTrainer` | a preference pair (a chosen, a rejected row) | its pairs' mean | loss x pairs |
 | `KTOTrainer` | a row, given the step's KL reference point (`KtoHead`) | its rows' mean | loss x rows |
+| `GRPOTrainer`, `RLOOTrainer` | a completion, or its token (`GenerationHead`) | its items' mean | loss x items |
 
-A trainer whose loss is none of these keeps its own loss, warned naming why: GRPO, RLOO, distillation (their own
-normalisations), DPO with its `sft` term (a token mean of each micro-batch). The trainer is known by the class that
-defines `compute_loss` (TRL's own, not a user's override of it).
+A trainer whose loss is none of these keeps its own loss, warned naming why: distillation (its own normalisation),
+DPO with its `sft` term (a token mean of each micro-batch), GRPO with a term or a mask made per micro-batch. The
+trainer is known by the class that defines `compute_loss` (TRL's own, not a user's override of it).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from collections.abc import Callable
 
 import torch
 
+from ...upstream import temporarily
+from ..remainder import EpochEnd
 from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
 from .tokens import CrossEntropyHead
 
-__all__ = ["KtoHead", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
+__all__ = ["GenerationHead", "KtoHead", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
 
 
 class TokenSumHead(CrossEntropyHead):
@@ -152,6 +155,98 @@ class KtoHead(SampleMeanHead):
             vars(trainer).pop("_compute_kl_logps", None)
 
 
+class GenerationHead(LossHead):
+    """
+    The loss of a trainer that generates its completions (GRPO's, RLOO's): a mean over the completions of a batch
+    (`items="rows"`: GRPO's `grpo`, `sapo` and `luspo`, RLOO's), over their tokens (`"tokens"`: `bnpo`, and `dapo`,
+    `cispo`, `vespo`, whose count TRL takes of the generation batch, not of the step), or a sum over tokens divided by
+    the completions times `max_completion_length` (`"padded"`: `dr_grpo`).
+
+    The completions exist only once TRL's `_prepare_inputs` made them (every `steps_per_generation` micro-batches, for
+    a whole generation batch), so the step's micro-batches are prepared before it is counted (`prepare`), at the
+    weights stock generates them at; each micro-batch's loss is then TRL's over its own items (`own_mean`), its S that
+    mean times its items.
+    """
+
+    route = Route.TRAINER_LOSS
+
+    def __init__(
+        self, name: str, items: str, length: int | None = None, share: int | None = None, repeats: int = 1
+    ) -> None:
+        super().__init__(label_keys=(), name=name)
+        self.items = items
+        # TRL's evaluation sampler repeats each prompt `repeats` times (`num_generations_eval`)
+        self.repeats = repeats
+        self.length = length  # max_completion_length, for "padded"
+        # dapo's kind: TRL divides by `num_items_in_batch` (the generation batch's tokens, all ranks) over the ranks
+        # and `share` micro-batches (`steps_per_generation`)
+        self.share = share
+
+    def count(self, batch: dict, seq_len: int | None = None) -> torch.Tensor:
+        """
+        A prepared batch's completions, their tokens (those TRL's loss masks in), or completions x the length; of the
+        last evaluation batch under DDP, its real rows' (`REAL_ROWS_KEY`: accelerate's repeats of the set left out).
+        """
+        mask = batch["completion_mask"]
+        real = batch.get(REAL_ROWS_KEY)
+        if real is not None:
+            mask = mask[:real]
+        rows = mask.shape[0]
+        if self.items == "rows":
+            return torch.tensor([rows])
+        if self.items == "padded":
+            return torch.tensor([rows * self.length])
+        if "tool_mask" in batch:
+            mask = mask * batch["tool_mask"][: mask.shape[0]]
+        return mask.sum().reshape(1).cpu()
+
+    def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """S of a micro-batch of `items` items from the trainer's loss, their mean (`own_mean`)."""
+        return loss.float() * items
+
+    def prepare(self, trainer, batches: list) -> list[dict]:
+        """
+        TRL's micro-batches of a training step from the dataloader's (generation batches): `_prepare_inputs` of each,
+        with the trainer's micro-batch counter `_step` as each will have it, the model in training mode; the counter
+        is left as it was (TRL's `training_step` advances it).
+        """
+        trainer.model_wrapped.train()
+        start = trainer._step
+        try:
+            prepared = []
+            for offset, batch in enumerate(batches):
+                trainer._step = start + offset
+                prepared.append(trainer._prepare_inputs(batch))
+            return prepared
+        finally:
+            trainer._step = start
+
+    def evaluation_end(self, gradient_state) -> EpochEnd | None:
+        """
+        Whether an evaluation batch ends the set and how many rows of its global batch are real: accelerate counts the
+        set's prompts (the dataset's length), where its sampler gives each prompt `repeats` times.
+        """
+        if not gradient_state.end_of_dataloader:
+            return None
+        loader = gradient_state.active_dataloader
+        return EpochEnd(len(loader.dataset) * self.repeats % loader.total_batch_size)
+
+    @contextlib.contextmanager
+    def own_mean(self, trainer, inputs: dict, training: bool):
+        """
+        Within, TRL's loss of `inputs` is the mean over its own items: not divided by the accumulation steps (GRPO
+        divides its loss by them itself), and for dapo's kind with `num_items_in_batch` made the batch's own tokens.
+        """
+        if self.share is not None:
+            shares = trainer.accelerator.num_processes * (self.share if training else 1)
+            inputs = {**inputs, "num_items_in_batch": self.count(inputs).to(inputs["completion_mask"].device) * shares}
+        if not training:  # TRL divides by the accumulation steps in training only
+            yield inputs
+            return
+        with temporarily(trainer, "current_gradient_accumulation_steps", 1):
+            yield inputs
+
+
 def _mean(totals: torch.Tensor) -> torch.Tensor:
     return (totals[0] / totals[1].clamp(min=1)).float()
 
@@ -185,9 +280,27 @@ def trainer_loss_head(owner: type, args, ranks: int) -> LossHead | str | None:
         return SampleMeanHead("trl_reward")
     if name == "KTOTrainer":
         return KtoHead(owner)
-    reasons = {
-        "GRPOTrainer": "its loss is normalised by its own token counts (loss_type).",
-        "RLOOTrainer": "its loss is normalised by its own token counts.",
-        "DistillationTrainer": "its loss is normalised by its own token counts.",
-    }
-    return reasons.get(name)
+    if name == "GRPOTrainer":
+        return _grpo_head(args)
+    if name == "RLOOTrainer":
+        return GenerationHead("trl_rloo", "rows", repeats=args.num_generations_eval or args.num_generations)
+    if name == "DistillationTrainer":
+        return "its loss is normalised by its own token counts."
+    return None
+
+
+def _grpo_head(args) -> GenerationHead | str:
+    if args.top_entropy_quantile < 1.0:
+        return "its entropy mask keeps the top quantile of each micro-batch's tokens (top_entropy_quantile < 1)."
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        return "its entropy bonus is a mean over each micro-batch's tokens (entropy_coef)."
+    kind, repeats = args.loss_type, args.num_generations_eval or args.num_generations
+    if kind in ("grpo", "sapo", "luspo"):
+        return GenerationHead("trl_grpo", "rows", repeats=repeats)
+    if kind == "bnpo":
+        return GenerationHead("trl_grpo", "tokens", repeats=repeats)
+    if kind == "dr_grpo":
+        return GenerationHead("trl_grpo", "padded", length=args.max_completion_length, repeats=repeats)
+    if kind in ("dapo", "cispo", "vespo"):
+        return GenerationHead("trl_grpo", "tokens", share=args.steps_per_generation, repeats=repeats)
+    return f"its loss_type={kind!r} is not one hf_parallel knows."
