@@ -106,8 +106,8 @@ def masked_lm(stack: contextlib.ExitStack, workdir: Path) -> dict:
 
 def preference(stack: contextlib.ExitStack, workdir: Path) -> dict:
     """TRL's preference data: a tiny Llama (`model`) and its reference (`ref_model`), a tiny reward model, 8 pairs of
-    strings (`pairs`: prompt, chosen, rejected; `implicit_pairs`: the prompt inside each), 8 texts (`texts`) and a word
-    tokenizer."""
+    strings (`pairs`: prompt, chosen, rejected; `implicit_pairs`: the prompt inside each), 8 texts (`texts`), 8 prompts
+    (`prompts`) and a word tokenizer."""
     import datasets
 
     from tests.helpers import trl_runs
@@ -117,6 +117,7 @@ def preference(stack: contextlib.ExitStack, workdir: Path) -> dict:
         pairs=datasets.Dataset.from_list(trl_runs.dataset_rows("preference", 8)),
         implicit_pairs=datasets.Dataset.from_list(trl_runs.dataset_rows("implicit_preference", 8)),
         texts=datasets.Dataset.from_list(trl_runs.dataset_rows("language_modeling", 8)), tok=trl_runs.tokenizer(),
+        prompts=datasets.Dataset.from_list(trl_runs.dataset_rows("prompt_only", 8)),
     )  # fmt: skip
 
 
