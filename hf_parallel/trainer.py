@@ -229,7 +229,9 @@ class ExactLossOverrides:
         )
         return self._engine
 
-    def _trainer_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+    def _trainer_loss(
+        self, model: nn.Module, inputs: dict, return_outputs=False, num_items_in_batch=None, items=None, padding=False
+    ):
         """The subclass's own `compute_loss`; on an epoch's last batch under DDP, where a batch may be cut to its real
         samples, its gathers (of its metrics) take each rank's rows as they are."""
         accelerator = self.accelerator
@@ -244,8 +246,22 @@ class ExactLossOverrides:
             mean = own.own_mean(self, inputs, training=step is not None and num_items_in_batch is step.total)
         else:
             mean = contextlib.nullcontext(inputs)
-        with ragged_gathers(accelerator) if ragged else contextlib.nullcontext(), given, routed, mean as inputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        logged, mode = getattr(own, "logged", None), "train" if self.model.training else "eval"
+        before = logged.lengths(self._metrics[mode]) if logged is not None else None
+        gathers = ragged_gathers(accelerator, padding) if ragged else contextlib.nullcontext()
+        with gathers, given, routed, mean as inputs:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if logged is not None:  # TRL's metrics of this micro-batch, kept with its items
+            logged.record(self._metrics[mode], before, float(items.sum()), mode)
+        return result
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        own = self._own_loss
+        if self.args.exact_loss and getattr(own, "logged", None) is not None:
+            # TRL's metrics over the whole step (or evaluation): its per-micro-batch values weighted by their items
+            mode = "train" if self.model.training else "eval"
+            own.logged.combine(self._metrics[mode], mode, (self._engine or self._pick_engine()).add_counts)
+        super().log(logs, *args, **kwargs)
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")

@@ -254,6 +254,10 @@ PRIVATE_NAMES = (
     # TRL (a test extra; checked where it is installed): KTO's KL forwards, run once a step and then given; GRPO's and
     # RLOO's micro-batch counter, which says where a generation batch starts, set as each micro-batch will have it
     PrivateName("trl.KTOTrainer", "_compute_kl_logps", "KTO's KL reference point over the whole step"),
+    # their logged metrics, one value a micro-batch, weighted by its items before TRL averages them
+    PrivateName("trl.SFTTrainer", "_metrics", "the step's token accuracy and entropy", "trl.SFTTrainer"),
+    PrivateName("trl.DPOTrainer", "_metrics", "the step's reward accuracies and margins", "trl.DPOTrainer"),
+    PrivateName("trl.RewardTrainer", "_metrics", "the step's accuracy and margin", "trl.RewardTrainer"),
     PrivateName("trl.GRPOTrainer", "_step", "a step's completions generated before it is counted", "trl.GRPOTrainer"),
     PrivateName("trl.RLOOTrainer", "_step", "a step's completions generated before it is counted", "trl.RLOOTrainer"),
 )

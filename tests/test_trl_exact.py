@@ -22,6 +22,13 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
 LOSS, UPDATE = 1e-5, 1e-4
+#: TRL's logged metrics that are means over the head's items, minima or maxima (hf_parallel.exact.heads.trainers).
+LOGGED = {
+    "SFTTrainer": ("entropy", "mean_token_accuracy"),
+    "DPOTrainer": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                   "logps/rejected"),
+    "RewardTrainer": ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"),
+}  # fmt: skip
 
 # Each trainer with the settings whose loss is a sum over items: SFT's token losses (`nll`, DFT's weighted ones), DPO's
 # per-pair losses (one type, a weighted combination, IPO) and the reward model's Bradley-Terry loss with its centring
@@ -72,6 +79,14 @@ def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_
     stock = train_split(trl, name, getattr(trl, name), str(tmp_path / "stock"), **split)
     _assert_exact(ours, whole, initial, setting)
     assert not any("overrides compute_loss" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+    # TRL's logged metrics over the whole step and evaluation set (a weighted mean of its micro-batches' values)
+    logged = LOGGED.get(name, ())
+    for key in logged:
+        assert ours["metrics"][key] == pytest.approx(whole["metrics"][key], rel=LOSS, abs=1e-6), key
+        key = f"eval_{key}"
+        assert ours["eval_metrics"][key] == pytest.approx(whole["eval_metrics"][key], rel=LOSS, abs=1e-6), key
+    if logged:  # stock: a mean of micro-batch means
+        assert any(stock["metrics"][key] != pytest.approx(whole["metrics"][key], rel=10 * LOSS) for key in logged)
     if name == "KTOTrainer" and settings.get("loss_type") != "apo_zero_unpaired":
         # The KL reference point TRL logs: the whole step's on every micro-batch, where stock estimates one on each.
         assert ours["metrics"]["kl"] == pytest.approx(whole["metrics"]["kl"], rel=LOSS)
@@ -226,6 +241,11 @@ def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ra
                         eval_batch=rows * (2 if generating else 1), settings=settings,
                         kl_pairs=None if generating else 2)  # fmt: skip
     _assert_exact(ranks[setting, rows, "ours"], whole, initial, setting)
+    # every step's, the last one's uneven over ranks too; the reward trainer's accuracy and margin are means of the
+    # ranks' means in TRL, which no weight of the step can undo where ranks hold unequal pairs
+    for key in set(LOGGED.get(name, ())) - {"accuracy", "margin"}:
+        mine, theirs = ([log[key] for log in run["logs"]] for run in (ranks[setting, rows, "ours"], whole))
+        assert mine == pytest.approx(theirs, rel=LOSS, abs=1e-6), key
     # Stock trains the repeated rows of the last step: its update is off.
     assert update_error(ranks[setting, rows, "stock"]["weights"], whole["weights"], initial) > 0.05
 

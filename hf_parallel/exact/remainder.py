@@ -155,18 +155,24 @@ def real_batches(head, batches: list[dict]) -> list[dict]:
 
 
 @contextlib.contextmanager
-def ragged_gathers(accelerator):
+def ragged_gathers(accelerator, padding: bool = False):
     """
     Within, `accelerator.gather` (and `gather_for_metrics`, which calls it) takes tensors whose rows differ between
     ranks, keeping each rank's rows once, in rank order: a subclass's own metrics gather its batch's rows, and a batch
     cut to its real samples on some ranks (`real_samples`) would otherwise stop gloo ("Received data size doesn't
-    match expected size"). One more small collective per gather; used on an epoch's last batch only.
+    match expected size"). With `padding` (this rank's batch is all repeated samples, kept whole for its forward), this
+    rank adds nothing to a gather, a single value (a batch's mean) included. One more small collective per gather; used
+    on an epoch's last batch only.
     """
     gather = accelerator.gather
 
     def ragged(tensor):
-        if not torch.is_tensor(tensor) or tensor.dim() == 0:
+        if not torch.is_tensor(tensor):
             return gather(tensor)
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        if padding:
+            tensor = tensor[:0]
         sizes = gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
         padded = accelerator.pad_across_processes(tensor, dim=0)
         parts = gather(padded).split(padded.shape[0])

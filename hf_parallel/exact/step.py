@@ -197,7 +197,8 @@ class RunContext:
         main_input_name (`str`, *optional*, defaults to `"input_ids"`): the input whose second dimension is the
             sequence length.
         trainer_loss (`Callable`, *optional*): a Trainer subclass's own `compute_loss` (TRL's), for a head of
-            `Route.TRAINER_LOSS`.
+            `Route.TRAINER_LOSS`; also given the batch's `items` and whether it is all `padding` (an epoch's
+            repeated samples).
     """
 
     owner: nn.Module | None = None
@@ -291,7 +292,9 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     if head.router is not None:
         inputs = {**inputs, "output_router_logits": True}
     with _router_of_forward(head, exact.unwrap(model)) as router:
-        result = context.trainer_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
+        result = context.trainer_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=count, items=items, padding=real == 0
+        )
     loss, outputs = result if return_outputs else (result, None)
     items = items.to(loss.device)
     sums = head.sums(loss, count, items.sum())

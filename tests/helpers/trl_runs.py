@@ -276,9 +276,11 @@ def train_split(
     module = sys.modules[getattr(trl, name).__module__]
     in_order = mock.patch.object(module, "shuffle_sequence_dict", lambda rows: rows) if generating else nullcontext()
     with in_order:
-        result = {"eval_loss": trainer.evaluate()["eval_loss"] if eval_batch else None}
+        evaluated = trainer.evaluate() if eval_batch else {}
+        result = {"eval_loss": evaluated.get("eval_loss"), "eval_metrics": evaluated}
         trainer.train()
     result["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    result["metrics"] = next(log for log in trainer.state.log_history if "loss" in log)  # the first step's, TRL's too
+    result["logs"] = [log for log in trainer.state.log_history if "loss" in log]  # each step's, TRL's metrics too
+    result["metrics"] = result["logs"][0]
     result["weights"] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
     return result

@@ -30,7 +30,7 @@ from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
 from .tokens import CrossEntropyHead
 
-__all__ = ["GenerationHead", "KtoHead", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
+__all__ = ["GenerationHead", "KtoHead", "LoggedMetrics", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
 
 
 class TokenSumHead(CrossEntropyHead):
@@ -247,6 +247,67 @@ class GenerationHead(LossHead):
             yield inputs
 
 
+class LoggedMetrics:
+    """
+    TRL's logged metrics over the whole step, or the whole evaluation: TRL appends to `trainer._metrics` one value per
+    micro-batch (its mean over the micro-batch's items, gathered from every rank) and logs the mean of those values.
+    Here each value is kept with its micro-batch's items (`record`), and what is logged is their item-weighted mean
+    (`combine`), or the least or largest value for a minimum or maximum.
+
+    Args:
+        kinds (`dict[str, str]`): per metric, `"mean"`, `"min"` or `"max"`.
+    """
+
+    def __init__(self, kinds: dict[str, str]):
+        self.kinds = kinds
+        self.items: dict[str, dict[str, list[float]]] = {"train": {}, "eval": {}}
+
+    def lengths(self, metrics: dict) -> dict[str, int]:
+        """How many values each metric holds, before a micro-batch's loss."""
+        return {key: len(metrics.get(key, ())) for key in self.kinds}
+
+    def record(self, metrics: dict, before: dict[str, int], items: float, mode: str) -> None:
+        """After a micro-batch's loss: each metric it appended one value to keeps the micro-batch's `items`."""
+        for key, length in before.items():
+            if len(metrics.get(key, ())) == length + 1:
+                self.items[mode].setdefault(key, []).append(items)
+
+    def combine(self, metrics: dict, mode: str, add: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """
+        Before TRL logs `metrics` (its `_metrics[mode]`): each mean metric whose every value was recorded made one
+        value, the items-weighted mean, the micro-batches' items added over ranks by `add` (one collective); a minimum
+        or a maximum the least or largest value.
+        """
+        recorded, self.items[mode] = self.items[mode], {}
+        means = [
+            key for key, kind in self.kinds.items()
+            if kind == "mean" and metrics.get(key) and len(recorded.get(key, ())) == len(metrics[key])
+        ]  # fmt: skip
+        if means:
+            weights = add(torch.tensor([w for key in means for w in recorded[key]], dtype=torch.float64)).cpu()
+            for key, part in zip(means, weights.split([len(metrics[key]) for key in means]), strict=True):
+                if part.sum() > 0:
+                    values = torch.tensor(metrics[key], dtype=torch.float64)
+                    metrics[key] = [float((part * values).sum() / part.sum())]
+        for key, kind in self.kinds.items():
+            if kind != "mean" and metrics.get(key):
+                metrics[key] = [min(metrics[key]) if kind == "min" else max(metrics[key])]
+
+
+#: The metrics of TRL's trainers that are means over the head's items (SFT: label tokens; DPO and the reward model:
+#: pairs), minima or maxima; TRL's others (DPO's token means over completions, GRPO's) stay TRL's.
+_LOGGED = {
+    "SFTTrainer": dict.fromkeys(("entropy", "mean_token_accuracy"), "mean"),
+    "DPOTrainer": dict.fromkeys(
+        ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+         "logps/rejected"),
+        "mean",
+    ),  # fmt: skip
+    "RewardTrainer": {"accuracy": "mean", "margin": "mean", "mean_reward": "mean", "min_reward": "min",
+                      "max_reward": "max"},
+}  # fmt: skip
+
+
 def _mean(totals: torch.Tensor) -> torch.Tensor:
     return (totals[0] / totals[1].clamp(min=1)).float()
 
@@ -264,6 +325,13 @@ def trainer_loss_head(owner: type, args, ranks: int) -> LossHead | str | None:
     """
     if not owner.__module__.startswith("trl."):
         return None
+    head = _head(owner, args, ranks)
+    if isinstance(head, LossHead) and owner.__name__ in _LOGGED:
+        head.logged = LoggedMetrics(_LOGGED[owner.__name__])
+    return head
+
+
+def _head(owner: type, args, ranks: int) -> LossHead | str | None:
     name = owner.__name__
     if name == "SFTTrainer":
         if _loss_types(args) not in (["nll"], ["dft"]):
