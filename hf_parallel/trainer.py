@@ -31,6 +31,7 @@ from .exact import (
     GenerationHead,
     KtoHead,
     LossHead,
+    PairsAndSftHead,
     Route,
     RouterBalance,
     RunContext,
@@ -79,10 +80,9 @@ class ExactLossOverrides:
     `eval_loss` over the whole set. `self.exact` (an `ExactLoss`) is made by `TrainerMixin.__init__`.
     """
 
-    #: KTO's KL reference point over the evaluation set, while an evaluation runs.
+    #: KTO's KL reference point over the evaluation set (DPO's pairs and chosen tokens, with its sft term), while an
+    #: evaluation runs.
     _evaluation_point: torch.Tensor | None = None
-    #: The micro-batches of a step of GRPO / RLOO, made (their completions generated) before the step was counted.
-    _prepared_step: list[dict] | tuple = ()
 
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
@@ -105,7 +105,7 @@ class ExactLossOverrides:
 
     def _trainer_loss_head(self) -> LossHead | str | None:
         """
-        The head of a Trainer subclass's own loss (TRL's SFT, DPO and reward trainers:
+        The head of a Trainer subclass's own loss (TRL's trainers:
         `hf_parallel.exact.heads.trainers`), why a known subclass's loss has none, or None; found once.
         """
         if self._own_loss is _UNKNOWN:
@@ -129,6 +129,8 @@ class ExactLossOverrides:
                     )
                 else:
                     self._own_loss.router = RouterBalance(router.experts, router.top_k, self.router_aux_loss_coef)
+            if getattr(self._own_loss, "logged", None) is not None:
+                self.log = self._log_step_metrics
         return self._own_loss
 
     def _exact_loss_blocked(self) -> str | None:
@@ -158,7 +160,8 @@ class ExactLossOverrides:
         engine = self._engine or self._pick_engine()
         reads_end = engine.pads_epoch_end or engine.shards_sequence
         batch_samples, end = pull_batches(epoch_iterator, num_batches, self.accelerator.gradient_state, reads_end)
-        self._counted_step, self._prepared_step = None, []
+        self._counted_step = None
+        vars(self).pop("_prepare_inputs", None)  # what a step that stopped left (`_hand_out`)
         if not batch_samples:  # the epoch ended with the previous step: nothing to count (nor to reduce over ranks)
             return batch_samples, None
         self._counted_step = self._count_step(batch_samples, end, device)
@@ -178,7 +181,8 @@ class ExactLossOverrides:
         if isinstance(head, GenerationHead):
             # The completions are the items: generated for the step's micro-batches first, then counted. TRL's sampler
             # deals whole generation batches to every rank: an epoch ends without padding.
-            self._prepared_step = batch_samples = head.prepare(self, batch_samples)
+            batch_samples = head.prepare(self, batch_samples)
+            self._hand_out(batch_samples)
         elif end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
@@ -195,10 +199,16 @@ class ExactLossOverrides:
             self._settled_head = head
         return step
 
-    def _prepare_inputs(self, inputs):
-        if self._prepared_step:  # a micro-batch the step's count prepared already (`GenerationHead.prepare`)
-            return self._prepared_step.pop(0)
-        return super()._prepare_inputs(inputs)
+    def _hand_out(self, prepared: list[dict]) -> None:
+        """Until each is taken, `_prepare_inputs` gives the step's micro-batches its count prepared (GRPO's)."""
+        queue = list(prepared)
+
+        def next_prepared(inputs):
+            if len(queue) == 1:
+                vars(self).pop("_prepare_inputs", None)
+            return queue.pop(0)
+
+        self._prepare_inputs = next_prepared
 
     def _pick_engine(self) -> Engine:
         """The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share, picked once per run."""
@@ -232,36 +242,40 @@ class ExactLossOverrides:
     def _trainer_loss(
         self, model: nn.Module, inputs: dict, return_outputs=False, num_items_in_batch=None, items=None, padding=False
     ):
-        """The subclass's own `compute_loss`; on an epoch's last batch under DDP, where a batch may be cut to its real
-        samples, its gathers (of its metrics) take each rank's rows as they are."""
-        accelerator = self.accelerator
-        ragged = accelerator.num_processes > 1 and accelerator.gradient_state.end_of_dataloader
-        step = self._counted_step
-        point = step.shared if step is not None and num_items_in_batch is step.total else self._evaluation_point
-        given = self._own_loss.given_point(self, point) if point is not None else contextlib.nullcontext()
-        # With a MoE router, the step adds the whole step's router term (`micro_batch_loss`): TRL's held back.
-        routed = temporarily(self, "aux_loss_enabled", False) if self._own_loss.router else contextlib.nullcontext()
-        own = self._own_loss
-        if isinstance(own, GenerationHead):  # TRL's loss the mean over the micro-batch's own items
-            mean = own.own_mean(self, inputs, training=step is not None and num_items_in_batch is step.total)
-        else:
-            mean = contextlib.nullcontext(inputs)
+        """
+        The subclass's own `compute_loss` on a micro-batch of `items` (per count of its head), within what its head
+        adds (its router term held back, KTO's reference point, DPO's sft weight, GRPO's own mean); on an epoch's last
+        batch under DDP, where a batch may be cut to its real samples (or be all `padding`), its gathers (of its
+        metrics) take each rank's real rows.
+        """
+        accelerator, own, step = self.accelerator, self._own_loss, self._counted_step
+        training = step is not None and num_items_in_batch is step.total
         logged, mode = getattr(own, "logged", None), "train" if self.model.training else "eval"
         before = logged.lengths(self._metrics[mode]) if logged is not None else None
-        gathers = ragged_gathers(accelerator, padding) if ragged else contextlib.nullcontext()
-        with gathers, given, routed, mean as inputs:
+        with contextlib.ExitStack() as within:
+            if accelerator.num_processes > 1 and accelerator.gradient_state.end_of_dataloader:
+                within.enter_context(ragged_gathers(accelerator, padding))
+            if own.router:  # the step adds the whole step's router term (`micro_batch_loss`): TRL's held back
+                within.enter_context(temporarily(self, "aux_loss_enabled", False))
+            point = step.shared if training else self._evaluation_point
+            if isinstance(own, KtoHead) and point is not None:  # the KL reference point of the step (the set)
+                within.enter_context(own.given_point(self, point))
+            if isinstance(own, PairsAndSftHead):  # DPO's sft term over the step's (the set's) chosen tokens
+                within.enter_context(own.sft_share(self, items, step.counts if training else point))
+            if isinstance(own, GenerationHead):  # TRL's loss the mean over the micro-batch's own items
+                inputs = within.enter_context(own.own_mean(self, inputs, training))
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if logged is not None:  # TRL's metrics of this micro-batch, kept with its items
-            logged.record(self._metrics[mode], before, float(items.sum()), mode)
+            logged.record(self._metrics[mode], before, float(items[0]), mode)
         return result
 
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        own = self._own_loss
-        if self.args.exact_loss and getattr(own, "logged", None) is not None:
-            # TRL's metrics over the whole step (or evaluation): its per-micro-batch values weighted by their items
+    def _log_step_metrics(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """`log` of a TRL trainer whose metrics are made the whole step's (set on the instance: see
+        `_trainer_loss_head`): its per-micro-batch values weighted by their items, then TRL's own `log`."""
+        if self.args.exact_loss:
             mode = "train" if self.model.training else "eval"
-            own.logged.combine(self._metrics[mode], mode, (self._engine or self._pick_engine()).add_counts)
-        super().log(logs, *args, **kwargs)
+            self._own_loss.logged.combine(self._metrics[mode], mode, (self._engine or self._pick_engine()).add_counts)
+        type(self).log(self, logs, *args, **kwargs)
 
     def _main_input_name(self) -> str:
         return getattr(self.model, "main_input_name", "input_ids")
@@ -330,8 +344,11 @@ class ExactLossOverrides:
         self.exact.evaluation.start(self.args.exact_loss, keep_outputs=not prediction_loss_only)
         own = self._trainer_loss_head() if self.args.exact_loss else None
         try:
+            gather = self.accelerator.gather_for_metrics
             if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
-                self._evaluation_point = own.evaluation_point(self, dataloader, self.accelerator.gather_for_metrics)
+                self._evaluation_point = own.evaluation_point(self, dataloader, gather)
+            if isinstance(own, PairsAndSftHead):  # the set's pairs and chosen tokens, first
+                self._evaluation_point = own.evaluation_counts(self, dataloader, gather)
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )

@@ -39,6 +39,7 @@ SETTINGS = {
     "dpo": ("DPOTrainer", {}),
     "dpo_weighted": ("DPOTrainer", {"loss_type": ["sigmoid", "bco_pair"], "loss_weights": [0.7, 0.3]}),
     "dpo_ipo": ("DPOTrainer", {"loss_type": "ipo"}),
+    "dpo_sft": ("DPOTrainer", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),  # sft: chosen tokens
     "reward_centred": ("RewardTrainer", {"center_rewards_coefficient": 0.1}),
     "reward_margin": ("RewardTrainer", {"margins": True}),
     "sft_moe": ("SFTTrainer", {"moe": True}),  # a Mixtral's router term over the whole step
@@ -144,15 +145,17 @@ def test_a_generating_trainer_s_split_step_is_the_whole_step(setting, tmp_path, 
             assert stock["eval_loss"] != pytest.approx(whole["eval_loss"], rel=10 * LOSS)
 
 
-def test_an_unknown_loss_keeps_the_trainer_s_own_and_says_why(tmp_path, hf_parallel_log):
-    """DPO's 'sft' term is a token mean of each micro-batch: stock TRL's loss, warned naming it."""
-    settings = {"loss_type": ["sigmoid", "sft"]}
-    stock = train_split(trl, "DPOTrainer", trl.DPOTrainer, str(tmp_path / "stock"), rows=4, per_device=2,
-                        accumulation=2, settings=settings)  # fmt: skip
-    ours = train_split(trl, "DPOTrainer", _parallel("DPOTrainer"), str(tmp_path / "ours"), rows=4, per_device=2,
-                       accumulation=2, settings=settings)  # fmt: skip
-    assert ours["losses"] == stock["losses"]
-    assert any("'sft' loss term" in m for m in hf_parallel_log.messages), hf_parallel_log.messages
+def test_dpo_s_sft_term_weighted_by_the_pairs_keeps_trl_s_loss(tmp_path):
+    """DPO's 'sft' term times the mean of the pairs' weights (`use_weighting`) is no sum over the step's items: TRL's
+    loss, with the reason (TRL 1.16 itself stops on it)."""
+    from hf_parallel.exact import trainer_loss_head
+
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path), loss_type=["sigmoid", "sft"], use_weighting=True, report_to=[], use_cpu=True
+    )
+    assert "'sft' loss term, a mean over chosen tokens" in trainer_loss_head(trl.DPOTrainer, args, 1)
+    args.use_weighting = False
+    assert type(trainer_loss_head(trl.DPOTrainer, args, 1)).__name__ == "PairsAndSftHead"
 
 
 @pytest.mark.parametrize(
@@ -196,7 +199,7 @@ def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypa
 # GRPO's bnpo: 10 or 11 prompts (the last dropped by TRL's sampler in training, which deals whole generation batches),
 # two completions each, in steps of 2 a rank, each rank's loss a mean over its own tokens in stock; evaluation in
 # batches of 2 a rank (11 prompts: the last batch rank 0's 2 real rows, rank 1's 2 repeated).
-RANKED = ("sft", "dpo", "reward_centred", "reward_margin", "kto", "sft_moe", "grpo_bnpo")
+RANKED = ("sft", "dpo", "dpo_sft", "reward_centred", "reward_margin", "kto", "sft_moe", "grpo_bnpo")
 ROWS = (10, 11)
 
 

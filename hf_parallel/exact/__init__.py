@@ -65,7 +65,7 @@ from .heads import (
 from .heads.base import sequence_length
 from .heads.contrastive import rows_of
 from .heads.router import RouterBalance, router_balance_of
-from .heads.trainers import GenerationHead, KtoHead, trainer_loss_head
+from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, trainer_loss_head
 from .remainder import (
     REAL_ROWS_KEY,
     EpochEnd,
@@ -105,6 +105,7 @@ __all__ = [
     "LoopPadding",
     "LossHead",
     "ModelLossCheck",
+    "PairsAndSftHead",
     "MultiLabelHead",
     "ProblemTypeUnsettled",
     "QuestionAnsweringHead",

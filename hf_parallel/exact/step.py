@@ -297,14 +297,14 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
         )
     loss, outputs = result if return_outputs else (result, None)
     items = items.to(loss.device)
-    sums = head.sums(loss, count, items.sum())
+    sums = head.sums(loss, count, items)
     stats = None
     if router:  # the policy's router statistics, the padding rows of an epoch's last step (SFT's, kept) left out
         stats = router[0]
         if real is not None and (head.ignore_index_items or real == 0):  # rows not cut (SFT's; a batch of padding)
             stats = stats.where(row_mask(len(stats), real, stats.device), 0)
         stats = stats if step is None else stats.sum(0, keepdim=True)
-    return reduce(exact, head, Terms(sums.reshape(1, 1), items.reshape(1, 1), router=stats), step), outputs
+    return reduce(exact, head, Terms(sums.reshape(1, -1), items.reshape(1, -1), router=stats), step), outputs
 
 
 @contextlib.contextmanager

@@ -30,7 +30,15 @@ from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
 from .tokens import CrossEntropyHead
 
-__all__ = ["GenerationHead", "KtoHead", "LoggedMetrics", "SampleMeanHead", "TokenSumHead", "trainer_loss_head"]
+__all__ = [
+    "GenerationHead",
+    "KtoHead",
+    "LoggedMetrics",
+    "PairsAndSftHead",
+    "SampleMeanHead",
+    "TokenSumHead",
+    "trainer_loss_head",
+]
 
 
 class TokenSumHead(CrossEntropyHead):
@@ -73,6 +81,53 @@ class SampleMeanHead(LossHead):
     def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """S of a micro-batch of `items` samples from the subclass's loss, their mean."""
         return loss.float() * items
+
+
+class PairsAndSftHead(SampleMeanHead):
+    """
+    DPO with its `sft` term: its other loss types a mean over pairs, `sft` the mean negative log-likelihood over the
+    chosen completions' tokens. Two counts, the pairs and the chosen tokens; TRL's `sft` weight of each micro-batch is
+    scaled (`sft_share`) so that, times its pairs over the step's, its term is its chosen tokens' share of the step's.
+    The step's counts in training; in evaluation the whole set's, counted first (`evaluation_counts`).
+    """
+
+    weights = (1.0, 1.0)
+
+    def __init__(self, sft: int):
+        super().__init__("trl_dpo_sft")
+        self.sft = sft  # the place of "sft" in TRL's `loss_type` list
+
+    def count(self, batch: dict, seq_len: int | None = None) -> torch.Tensor:
+        """The real pairs of a batch (`[chosen; rejected]` rows) and their chosen completions' tokens after the
+        causal shift (TRL's mask of the `sft` term)."""
+        pairs = super().count(batch)
+        chosen = batch["completion_mask"][: int(pairs), 1:]
+        return torch.cat([pairs, chosen.sum().reshape(1).cpu()])
+
+    def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """S of a micro-batch from TRL's loss with its `sft` weight scaled: all of it over pairs."""
+        return torch.stack([loss.float() * items[0], loss.new_zeros((), dtype=torch.float32)])
+
+    @contextlib.contextmanager
+    def sft_share(self, trainer, items: torch.Tensor, totals: torch.Tensor):
+        """Within, TRL's `sft` weight times (chosen tokens / pairs) of the micro-batch (`items`) times (pairs / chosen
+        tokens) of the step or set (`totals`)."""
+        pairs, tokens = (float(n) for n in items)
+        all_pairs, all_tokens = (float(n) for n in totals)
+        weights = list(trainer.loss_weights)
+        weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
+        with temporarily(trainer, "loss_weights", weights):
+            yield
+
+    def evaluation_counts(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The pairs and chosen tokens of the whole evaluation set, each batch's rows of every rank gathered by
+        `gather` (accelerate's `gather_for_metrics`, which leaves out an epoch's repeated rows)."""
+        totals = torch.zeros(2, dtype=torch.float64)
+        for batch in dataloader:
+            pairs = rows_of(batch) // 2
+            chosen = gather(batch["completion_mask"][:pairs, 1:].sum(1)).double().cpu()
+            totals += torch.stack([totals.new_tensor(len(chosen)), chosen.sum()])
+        return totals
 
 
 class KtoHead(SampleMeanHead):
@@ -338,12 +393,12 @@ def _head(owner: type, args, ranks: int) -> LossHead | str | None:
             return f"its loss_type={args.loss_type!r} is not one of 'nll' and 'dft'."
         return TokenSumHead("trl_sft", ranks if args.average_tokens_across_devices else 1)
     if name == "DPOTrainer":
-        if "sft" in _loss_types(args):
-            return (
-                "its 'sft' loss term is a mean over the chosen tokens of each micro-batch, which the other terms' "
-                "per-pair means cannot be told apart from."
-            )
-        return SampleMeanHead("trl_dpo")
+        types = _loss_types(args)
+        if "sft" not in types:
+            return SampleMeanHead("trl_dpo")
+        if args.use_weighting:
+            return "its 'sft' loss term, a mean over chosen tokens, is weighted by the mean of the pairs' weights."
+        return PairsAndSftHead(types.index("sft"))
     if name == "RewardTrainer":
         return SampleMeanHead("trl_reward")
     if name == "KTOTrainer":
