@@ -7,7 +7,8 @@ on one process (TRL's own rule, that the splits "should yield the same results")
 Each case trains one epoch of the rows, in order, with plain SGD in fp32 (tests/helpers/trl_runs.py `train_split`),
 from the same tiny Llama; `eval_loss` at the initial weights in batches of 2 (one process) or 3 a rank (DDP) against
 the whole set in one batch. Figures: the largest relative error of a step's logged loss, the update's error relative
-to the largest change the whole step made, the relative error of `eval_loss`.
+to the largest change the whole step made, the relative error of `eval_loss`, and for SFT, DPO and the reward model
+the largest error of a step's logged metric (`METRICS`) relative to its size.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ from tests.helpers.epochs import update_error
 CASES = {
     "SFT, 5 rows as micro-batches of 2 + 2 + 1": ("SFTTrainer", {}, 5, 2, 3, 2, False),
     "DPO, 5 pairs as 2 + 2 + 1": ("DPOTrainer", {}, 5, 2, 3, 2, False),
+    "DPO with its sft term (weight 0.5), 5 pairs as 2 + 2 + 1": (
+        "DPOTrainer",
+        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+        5,
+        2,
+        3,
+        2,
+        False,
+    ),  # fmt: skip
     "reward model, 5 pairs as 2 + 2 + 1": ("RewardTrainer", {"center_rewards_coefficient": 0.1}, 5, 2, 3, 2, False),
     "SFT, 2 DDP ranks, 10 rows in steps of 4": ("SFTTrainer", {}, 10, 2, 1, 3, True),
     "DPO, 2 DDP ranks, 10 pairs in steps of 4": ("DPOTrainer", {}, 10, 2, 1, 3, True),
@@ -98,10 +108,28 @@ def _ranks_worker(cases: dict, out_dir: str) -> None:
         torch.save(runs, Path(out_dir) / "runs.pt")
 
 
-def _errors(run: dict, whole: dict, initial: dict) -> tuple[float, float, float]:
+#: TRL's logged metrics hf_parallel makes the whole step's (hf_parallel.exact.heads.trainers), per trainer.
+METRICS = {
+    "SFTTrainer": ("mean_token_accuracy", "entropy"),
+    "DPOTrainer": ("rewards/accuracies", "rewards/margins", "rewards/chosen", "logps/chosen"),
+    "RewardTrainer": ("accuracy", "margin", "mean_reward"),
+}
+
+
+def _errors(run: dict, whole: dict, initial: dict, name: str) -> tuple[float, ...]:
     loss = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], whole["losses"], strict=True))
     update = update_error(run["weights"], whole["weights"], initial)
-    return loss, update, abs(run["eval_loss"] - whole["eval_loss"]) / abs(whole["eval_loss"])
+    errors = (loss, update, abs(run["eval_loss"] - whole["eval_loss"]) / abs(whole["eval_loss"]))
+    if name not in METRICS:
+        return errors
+    # every step's logged metric, the largest error relative to the metric's largest size over the steps
+    metric = 0.0
+    for key in METRICS[name]:
+        theirs = [log[key] for log in whole["logs"]]
+        mine = [log[key] for log in run["logs"]]
+        size = max(abs(v) for v in theirs) or 1.0
+        metric = max(metric, *(abs(a - b) / size for a, b in zip(mine, theirs, strict=True)))
+    return (*errors, metric)
 
 
 def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
@@ -128,7 +156,7 @@ def measure() -> list[tuple[str, tuple[float, ...], tuple[float, ...]]]:
                 eval_batch=evaluation, settings=settings, **pairs,
             )  # fmt: skip
             initial = (moe_lm if settings.get("moe") else TRAINERS[name].model)(0).state_dict()
-            errors = [_errors(runs[case, side], whole, initial) for side in ("stock", "hf_parallel")]
+            errors = [_errors(runs[case, side], whole, initial, name) for side in ("stock", "hf_parallel")]
             rows.append((case, *errors))
     return rows
 
@@ -140,7 +168,7 @@ def main() -> None:
     import trl
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
-    print("| case | stock TRL: loss / update / eval_loss off by | hf_parallel's mixin |")
+    print("| case | stock TRL: loss / update / eval_loss / logged metrics off by | hf_parallel's mixin |")
     print("|---|---|---|")
     for case, stock, ours in measure():
         print(f"| {case} | {' / '.join(f'{e:.1e}' for e in stock)} | {' / '.join(f'{e:.1e}' for e in ours)} |")

@@ -27,6 +27,7 @@ from .engines.deepspeed import before_engine, deepspeed_version, sequence_shards
 from .engines.reshard import load_on_any_world_size
 from .exact import (
     Engine,
+    EpochEnd,
     ExactLoss,
     GenerationHead,
     KtoHead,
@@ -261,9 +262,12 @@ class ExactLossOverrides:
             if isinstance(own, KtoHead) and point is not None:  # the KL reference point of the step (the set)
                 within.enter_context(own.given_point(self, point))
             if isinstance(own, PairsAndSftHead):  # DPO's sft term over the step's (the set's) chosen tokens
-                within.enter_context(own.sft_share(self, items, step.counts if training else point))
+                weights = own.sft_share(self.loss_weights, items, step.counts if training else point)
+                within.enter_context(temporarily(self, "loss_weights", weights))
             if isinstance(own, GenerationHead):  # TRL's loss the mean over the micro-batch's own items
-                inputs = within.enter_context(own.own_mean(self, inputs, training))
+                inputs = own.own_mean(inputs, accelerator.num_processes, training)
+                if training:  # GRPO divides by the accumulation steps itself
+                    within.enter_context(temporarily(self, "current_gradient_accumulation_steps", 1))
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if logged is not None:  # TRL's metrics of this micro-batch, kept with its items
             logged.record(self._metrics[mode], before, float(items[0]), mode)
@@ -313,8 +317,9 @@ class ExactLossOverrides:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
-            state = accelerator.gradient_state
-            end = head.evaluation_end(state) if isinstance(head, GenerationHead) else None  # prompts repeated
+            state, end = accelerator.gradient_state, None
+            if isinstance(head, GenerationHead) and state.end_of_dataloader:  # the set's prompts given repeatedly
+                end = EpochEnd(head.evaluation_remainder(state.active_dataloader))
             inputs = self.exact.mark_evaluation_padding(head, inputs, state, data_rank, pads, end)
         if self._run_context is None:  # compute_loss called outside train() and evaluate()
             self._pick_engine()

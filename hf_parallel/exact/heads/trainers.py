@@ -8,12 +8,14 @@ step then divides by the whole step's items, as for every head:
 |---|---|---|---|
 | `SFTTrainer` (`nll`, `dft`) | a label token after the causal shift | S / n, times TRL's DDP factor f | loss x n / f |
 | `DPOTrainer`, `RewardTrainer` | a preference pair (a chosen, a rejected row) | its pairs' mean | loss x pairs |
+| `DPOTrainer` with `sft` | a pair, and a chosen token (`PairsAndSftHead`) | pairs' mean, sft scaled | loss x pairs |
 | `KTOTrainer` | a row, given the step's KL reference point (`KtoHead`) | its rows' mean | loss x rows |
 | `GRPOTrainer`, `RLOOTrainer` | a completion, or its token (`GenerationHead`) | its items' mean | loss x items |
 
 A trainer whose loss is none of these keeps its own loss, warned naming why: distillation (its own normalisation),
-DPO with its `sft` term (a token mean of each micro-batch), GRPO with a term or a mask made per micro-batch. The
-trainer is known by the class that defines `compute_loss` (TRL's own, not a user's override of it).
+DPO's `sft` term weighted by the pairs' weights, GRPO with a term or a mask made per micro-batch. The trainer is
+known by the class that defines `compute_loss` (TRL's own, not a user's override of it). TRL's logged metrics that
+are means over these items are made the whole step's too (`LoggedMetrics`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from collections.abc import Callable
 
 import torch
 
-from ...upstream import temporarily
-from ..remainder import EpochEnd
 from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
 from .tokens import CrossEntropyHead
@@ -108,16 +108,14 @@ class PairsAndSftHead(SampleMeanHead):
         """S of a micro-batch from TRL's loss with its `sft` weight scaled: all of it over pairs."""
         return torch.stack([loss.float() * items[0], loss.new_zeros((), dtype=torch.float32)])
 
-    @contextlib.contextmanager
-    def sft_share(self, trainer, items: torch.Tensor, totals: torch.Tensor):
-        """Within, TRL's `sft` weight times (chosen tokens / pairs) of the micro-batch (`items`) times (pairs / chosen
-        tokens) of the step or set (`totals`)."""
+    def sft_share(self, weights: list[float], items: torch.Tensor, totals: torch.Tensor) -> list[float]:
+        """TRL's `loss_weights` for a micro-batch: the `sft` weight times (chosen tokens / pairs) of the micro-batch
+        (`items`) times (pairs / chosen tokens) of the step or set (`totals`)."""
         pairs, tokens = (float(n) for n in items)
         all_pairs, all_tokens = (float(n) for n in totals)
-        weights = list(trainer.loss_weights)
+        weights = list(weights)
         weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
-        with temporarily(trainer, "loss_weights", weights):
-            yield
+        return weights
 
     def evaluation_counts(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The pairs and chosen tokens of the whole evaluation set, each batch's rows of every rank gathered by
@@ -276,30 +274,23 @@ class GenerationHead(LossHead):
         finally:
             trainer._step = start
 
-    def evaluation_end(self, gradient_state) -> EpochEnd | None:
+    def evaluation_remainder(self, loader) -> int:
         """
-        Whether an evaluation batch ends the set and how many rows of its global batch are real: accelerate counts the
-        set's prompts (the dataset's length), where its sampler gives each prompt `repeats` times.
+        The real rows of the last global batch of an evaluation `loader` (accelerate's): accelerate counts the set's
+        prompts (the dataset's length), where TRL's sampler gives each prompt `repeats` times.
         """
-        if not gradient_state.end_of_dataloader:
-            return None
-        loader = gradient_state.active_dataloader
-        return EpochEnd(len(loader.dataset) * self.repeats % loader.total_batch_size)
+        return len(loader.dataset) * self.repeats % loader.total_batch_size
 
-    @contextlib.contextmanager
-    def own_mean(self, trainer, inputs: dict, training: bool):
+    def own_mean(self, inputs: dict, processes: int, training: bool) -> dict:
         """
-        Within, TRL's loss of `inputs` is the mean over its own items: not divided by the accumulation steps (GRPO
-        divides its loss by them itself), and for dapo's kind with `num_items_in_batch` made the batch's own tokens.
+        `inputs` for which TRL's loss is the mean over the batch's own items, once it is not divided by the
+        accumulation steps (GRPO divides by them itself in training): for dapo's kind, `num_items_in_batch` made the
+        batch's own tokens (`processes` ranks).
         """
-        if self.share is not None:
-            shares = trainer.accelerator.num_processes * (self.share if training else 1)
-            inputs = {**inputs, "num_items_in_batch": self.count(inputs).to(inputs["completion_mask"].device) * shares}
-        if not training:  # TRL divides by the accumulation steps in training only
-            yield inputs
-            return
-        with temporarily(trainer, "current_gradient_accumulation_steps", 1):
-            yield inputs
+        if self.share is None:
+            return inputs
+        shares = processes * (self.share if training else 1)
+        return {**inputs, "num_items_in_batch": self.count(inputs).to(inputs["completion_mask"].device) * shares}
 
 
 class LoggedMetrics:
