@@ -160,10 +160,15 @@ def test_dpo_s_sft_term_weighted_by_the_pairs_keeps_trl_s_loss(tmp_path):
 
 @pytest.mark.parametrize(
     ("settings", "reason"),
-    [({"entropy_coef": 0.05}, "entropy bonus"), ({"top_entropy_quantile": 0.5}, "entropy mask")],
+    [
+        ({"entropy_coef": 0.05}, "entropy bonus"),
+        ({"top_entropy_quantile": 0.5}, "entropy mask"),
+        ({"moe": True}, "MoE router term"),
+    ],
 )
 def test_a_grpo_term_made_per_micro_batch_keeps_trl_s_loss_and_says_why(settings, reason, tmp_path, hf_parallel_log):
-    """GRPO's entropy bonus and entropy mask are taken over each micro-batch's tokens: TRL's loss, warned naming it."""
+    """GRPO's entropy bonus and mask are taken over each micro-batch's tokens, and a MoE model's router term over its
+    completions: TRL's loss, warned naming it."""
     split = {"rows": 8, "per_device": 2, "accumulation": 2, "settings": {"max_steps": 1, **settings}}
     stock = train_split(trl, "GRPOTrainer", trl.GRPOTrainer, str(tmp_path / "stock"), **split)
     ours = train_split(trl, "GRPOTrainer", _parallel("GRPOTrainer"), str(tmp_path / "ours"), **split)
@@ -199,7 +204,7 @@ def test_ranks_that_share_batches_keep_the_trainer_s_own_loss(tmp_path, monkeypa
 # GRPO's bnpo: 10 or 11 prompts (the last dropped by TRL's sampler in training, which deals whole generation batches),
 # two completions each, in steps of 2 a rank, each rank's loss a mean over its own tokens in stock; evaluation in
 # batches of 2 a rank (11 prompts: the last batch rank 0's 2 real rows, rank 1's 2 repeated).
-RANKED = ("sft", "dpo", "dpo_sft", "reward_centred", "reward_margin", "kto", "sft_moe", "grpo_bnpo")
+RANKED = ("sft", "dpo", "dpo_sft", "reward_centred", "reward_margin", "kto", "sft_moe", "dpo_moe", "grpo_bnpo")
 ROWS = (10, 11)
 
 
