@@ -102,23 +102,26 @@ def test_a_step_split_into_unequal_micro_batches_is_the_whole_step(setting, tmp_
 
 
 # GRPO and RLOO generate their completions (made fixed by tests/helpers/trl_runs.py: the same rows under every split):
-# 8 prompts, two completions each; a step of 4 completions as 2 micro-batches of 2 with `steps_per_generation` equal to
-# the accumulation steps, smaller or larger; evaluation in batches of 6 + 6 + 4 completions. The whole step: its 4
-# completions generated and trained at once, the evaluation's 16 in one batch. Stock TRL is off where its loss divides
-# by a count other than the step's (the micro-batch's tokens, the generation batch's share), in the update or in
-# eval_loss (a mean of batch means weighted by completions); a mean over completions is exact in stock too.
+# 8 prompts, two completions each; the first step of 4 completions (or the epoch's 4 steps) as 2 micro-batches of 2,
+# with `steps_per_generation` equal to the accumulation steps, smaller or larger; evaluation in batches of 6 + 6 + 4
+# completions. The whole step: its 4 completions generated and trained at once, the evaluation's 16 in one batch.
+# Stock TRL is off where its loss divides by a count other than the step's (the micro-batch's tokens, the generation
+# batch's share), in the update or in eval_loss (a mean of batch means weighted by completions); a mean over
+# completions is exact in stock too.
 GENERATING_SETTINGS = {
     "grpo": ("GRPOTrainer", {}, None),
     "grpo_bnpo": ("GRPOTrainer", {"loss_type": "bnpo"}, "update"),
     "grpo_dr": ("GRPOTrainer", {"loss_type": "dr_grpo"}, None),
     "grpo_dapo": ("GRPOTrainer", {"loss_type": "dapo"}, "eval_loss"),
     "grpo_dapo_late": ("GRPOTrainer", {"loss_type": "dapo", "steps_per_generation": 4}, "update"),
-    "grpo_dapo_early": ("GRPOTrainer", {"loss_type": "dapo", "steps_per_generation": 1}, "update"),
+    # every step of the epoch: each micro-batch generates at its own place in the step
+    "grpo_dapo_early": ("GRPOTrainer", {"loss_type": "dapo", "steps_per_generation": 1, "max_steps": -1}, "update"),
     "grpo_sapo": ("GRPOTrainer", {"loss_type": "sapo"}, None),
     "grpo_cispo": ("GRPOTrainer", {"loss_type": "cispo"}, "eval_loss"),
     "grpo_vespo": ("GRPOTrainer", {"loss_type": "vespo"}, "eval_loss"),
     "grpo_luspo": ("GRPOTrainer", {"loss_type": "luspo", "importance_sampling_level": "sequence"}, None),
     "grpo_kl": ("GRPOTrainer", {"loss_type": "bnpo", "beta": 0.5}, "update"),
+    "grpo_iterations": ("GRPOTrainer", {"loss_type": "bnpo", "num_iterations": 2}, "update"),
     "rloo": ("RLOOTrainer", {}, None),
 }
 
