@@ -2,15 +2,17 @@
 The cost of TRL's trainers made exact: step time and peak memory of `class ParallelX(TrainerMixin, trl.X)` against
 stock TRL's `X`, on the same workload, printed as median ratios (hf_parallel / stock).
 
-    python -m benchmarks.trl_cost                 # SFT at a 128k vocabulary, DPO; 2 rounds each
+    python -m benchmarks.trl_cost                 # SFT at a 128k vocabulary, DPO, GRPO; 2 rounds each
     python -m benchmarks.trl_cost --steps 2 --rounds 1 --memory-rounds 1
 
 Workloads, built from configs (nothing downloaded): a 2-layer Llama with a 128,256-token vocabulary (Llama 3's),
 trained by `SFTTrainer` on 8 rows of 96 tokens a step (gradient accumulation 2) through TRL's fused LM head, which
 never builds the `[rows, positions, vocabulary]` logits (fp32: 8 x 96 x 128,256 x 4 B = 394 MB); and `DPOTrainer` on
-the same model, 4 pairs a step (gradient accumulation 2), with its reference model. hf_parallel calls TRL's own
-`compute_loss` (`hf_parallel.exact.heads.trainers`), so the fused head is kept; the step adds a count of the step's
-items (one small all-reduce under DDP).
+the same model, 4 pairs a step (gradient accumulation 2), with its reference model; and `GRPOTrainer` (`dapo`) on 8
+completions a step (two a prompt, 4 a micro-batch, gradient accumulation 2, one generation a step), each 32 tokens
+across the vocabulary, made by a `rollout_func` (no sampling: the step's cost is TRL's loss, not generation).
+hf_parallel calls TRL's own `compute_loss` (`hf_parallel.exact.heads.trainers`), so the fused head is kept; the step
+adds a count of the step's items (one small all-reduce under DDP); GRPO's completions are generated before it.
 
 Step time: the median over the timed steps of every round, stock and hf_parallel alternating. Peak memory: the peak
 resident set size during training minus the resident size when it starts, each run in a fresh process with glibc
@@ -30,7 +32,12 @@ import transformers
 from benchmarks.overhead import StepTimer, _peak, _reset_peak, _sides, parse_run_options, peak_in_fresh_process
 
 VOCAB = 128_256
-WORKLOADS = ("sft", "dpo")
+WORKLOADS = ("sft", "dpo", "grpo")
+CONFIGS = {
+    "sft": ("SFTTrainer", "SFTConfig"),
+    "dpo": ("DPOTrainer", "DPOConfig"),
+    "grpo": ("GRPOTrainer", "GRPOConfig"),
+}
 
 
 def _model(seed: int):
@@ -53,6 +60,8 @@ def _dataset(workload: str, rows: int):
     rng = random.Random(0)
     if workload == "sft":  # token ids across the whole vocabulary, as a real corpus uses it
         return datasets.Dataset.from_list([{"input_ids": [rng.randrange(4, VOCAB) for _ in range(96)]}] * rows)
+    if workload == "grpo":
+        return datasets.Dataset.from_list([{"prompt": " ".join(rng.choice(WORDS) for _ in range(24))}] * rows)
 
     def sentence(n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
@@ -62,6 +71,18 @@ def _dataset(workload: str, rows: int):
     )
 
 
+def _rollout(prompts: list[str], trainer) -> dict:
+    """32 completion tokens across the vocabulary a prompt, the same for every side (seeded by the prompt's place)."""
+    prompt_ids = [trainer.processing_class(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    rows = [random.Random(i) for i in range(len(prompts))]
+    return {"prompt_ids": prompt_ids, "completion_ids": [[r.randrange(4, VOCAB) for _ in range(32)] for r in rows],
+            "logprobs": None}  # fmt: skip
+
+
+def _reward(completions, **kwargs) -> list[float]:
+    return [float(len(set(c))) for c in completions]
+
+
 def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[float], int]:
     """One training run: the times of its steps after `warmup`, and its peak memory above the start (bytes)."""
     import trl
@@ -69,16 +90,23 @@ def run_once(stock: bool, workload: str, steps: int, warmup: int) -> tuple[list[
     from hf_parallel import TrainerMixin
     from tests.helpers.trl_runs import tokenizer
 
-    name, config = ("SFTTrainer", trl.SFTConfig) if workload == "sft" else ("DPOTrainer", trl.DPOConfig)
+    name, config = CONFIGS[workload]
     trainer_cls = getattr(trl, name) if stock else type(f"Parallel{name}", (TrainerMixin, getattr(trl, name)), {})
-    per_device = 4 if workload == "sft" else 2
+    per_device = 2 if workload == "dpo" else 4
+    own = {"max_length": None}
+    if workload == "grpo":
+        own = {"num_generations": 2, "max_completion_length": 32, "loss_type": "dapo"}
     with tempfile.TemporaryDirectory() as out:
-        args = config(
+        args = getattr(trl, config)(
             output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=per_device,
             gradient_accumulation_steps=2, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
-            disable_tqdm=True, logging_strategy="no", seed=0, max_length=None,
+            disable_tqdm=True, logging_strategy="no", seed=0, **own,
         )  # fmt: skip
-        extra = {} if workload == "sft" else {"ref_model": _model(1)}
+        extra = {}
+        if workload == "dpo":
+            extra = {"ref_model": _model(1)}
+        if workload == "grpo":
+            extra = {"reward_funcs": _reward, "rollout_func": _rollout}
         data = _dataset(workload, per_device * 2 * (warmup + steps))
         trainer = trainer_cls(
             model=_model(0), args=args, train_dataset=data, processing_class=tokenizer(), **extra
