@@ -353,7 +353,7 @@ class ExactLossOverrides:
             if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
                 self._evaluation_point = own.evaluation_point(self, dataloader, gather)
             if isinstance(own, PairsAndSftHead):  # the set's pairs and chosen tokens, first
-                self._evaluation_point = own.evaluation_counts(self, dataloader, gather)
+                self._evaluation_point = own.evaluation_counts(dataloader, gather)
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )

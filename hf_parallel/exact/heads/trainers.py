@@ -117,7 +117,7 @@ class PairsAndSftHead(SampleMeanHead):
         weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
         return weights
 
-    def evaluation_counts(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def evaluation_counts(self, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The pairs and chosen tokens of the whole evaluation set, each batch's rows of every rank gathered by
         `gather` (accelerate's `gather_for_metrics`, which leaves out an epoch's repeated rows)."""
         totals = torch.zeros(2, dtype=torch.float64)
@@ -134,8 +134,8 @@ class KtoHead(SampleMeanHead):
     reference point, the mean over rows of the policy's minus the reference model's log-probability of a mismatched
     completion (TRL pairs each prompt with another row's). TRL estimates the point on each micro-batch (and averages
     ranks' means); here it is made once over the whole step's rows, or the whole evaluation set's, by a forward without
-    gradient (`reference_point`), and each micro-batch's loss is given it in place of its own forwards of those rows
-    (`given_point`): the same forwards, once.
+    gradient (`step_point`, `evaluation_point`), and each micro-batch's loss is given it in place of its own forwards
+    of those rows (`given_point`): the same forwards, once.
     """
 
     def __init__(self, owner: type):
