@@ -27,14 +27,9 @@ from .engines.deepspeed import before_engine, deepspeed_version, sequence_shards
 from .engines.reshard import load_on_any_world_size
 from .exact import (
     Engine,
-    EpochEnd,
     ExactLoss,
-    GenerationHead,
-    KtoHead,
     LossHead,
-    PairsAndSftHead,
     Route,
-    RouterBalance,
     RunContext,
     StepCounts,
     count_samples,
@@ -47,7 +42,6 @@ from .exact import (
     ragged_gathers,
     real_batches,
     replica_autocast,
-    router_balance_of,
     stock_compute_loss,
     stock_replica_precision,
     stock_training_step,
@@ -81,9 +75,9 @@ class ExactLossOverrides:
     `eval_loss` over the whole set. `self.exact` (an `ExactLoss`) is made by `TrainerMixin.__init__`.
     """
 
-    #: KTO's KL reference point over the evaluation set (DPO's pairs and chosen tokens, with its sft term), while an
-    #: evaluation runs.
-    _evaluation_point: torch.Tensor | None = None
+    #: What every evaluation batch's loss of a Trainer subclass takes of the whole set (`TrainerLossHooks`: KTO's KL
+    #: reference point, DPO's pairs and chosen tokens), while an evaluation runs.
+    _evaluation_shared: torch.Tensor | None = None
 
     def _exact_head(self, batch: dict | None = None) -> LossHead | None:
         """The loss head to compute exactly, or None for the stock path (warned once, naming why)."""
@@ -112,26 +106,14 @@ class ExactLossOverrides:
         if self._own_loss is _UNKNOWN:
             owner = self._loss_owner()
             ranks = self.accelerator.num_processes // max(self.get_tp_size(), 1)
-            self._own_loss = trainer_loss_head(owner, self.args, ranks) if owner is not None else None
+            own = trainer_loss_head(owner, self.args, ranks, self, self.exact.warn_once) if owner is not None else None
             shared = [name for name, size in self._batch_sharing_sizes().items() if size > 1]
-            if isinstance(self._own_loss, LossHead) and shared:
+            if isinstance(own, LossHead) and shared:
                 # Ranks that share a batch: how the subclass's loss then divides is not the one step's to know.
-                self._own_loss = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
-            if isinstance(self._own_loss, GenerationHead) and getattr(self, "aux_loss_enabled", False):
-                self._own_loss = "its MoE router term is a mean over each micro-batch's completions."
-            if isinstance(self._own_loss, LossHead) and getattr(self, "aux_loss_enabled", False):
-                # A MoE model's router term: TRL's (a mean over each micro-batch) held back, the whole step's added.
-                router = router_balance_of(self.model, asked=True)
-                if router is None:
-                    self.exact.warn_once(
-                        f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary "
-                        f"term it adds is its own (a mean over each micro-batch): {type(self.model).__name__}'s "
-                        "config does not name its experts (num_experts, num_experts_per_tok)."
-                    )
-                else:
-                    self._own_loss.router = RouterBalance(router.experts, router.top_k, self.router_aux_loss_coef)
-            if getattr(self._own_loss, "logged", None) is not None:
+                own = f"its loss under {shared} parallelism (ranks sharing batches) is not made exact."
+            if getattr(own, "logged", None) is not None:
                 self.log = self._log_step_metrics
+            self._own_loss = own
         return self._own_loss
 
     def _exact_loss_blocked(self) -> str | None:
@@ -179,11 +161,12 @@ class ExactLossOverrides:
         if head is None or not all(head.has_labels(batch) for batch in batch_samples):
             self.exact.labels_present(head, batch_samples)  # warns where a batch lacks the head's labels
             return None
-        if isinstance(head, GenerationHead):
-            # The completions are the items: generated for the step's micro-batches first, then counted. TRL's sampler
-            # deals whole generation batches to every rank: an epoch ends without padding.
-            batch_samples = head.prepare(self, batch_samples)
-            self._hand_out(batch_samples)
+        prepared = head.before_count(self, batch_samples) if head.route is Route.TRAINER_LOSS else batch_samples
+        if prepared is not batch_samples:
+            # Made by the subclass (GRPO's completions, the items), each handed to its micro-batch; from whole
+            # generation batches, which TRL's sampler deals to every rank: an epoch ends without padding.
+            batch_samples = prepared
+            self._hand_out(prepared)
         elif end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
@@ -193,9 +176,9 @@ class ExactLossOverrides:
         # A subclass's own loss is its own judge: no check against the model's.
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
         step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
-        if isinstance(head, KtoHead) and self.calculate_KL:
-            real = real_batches(head, batch_samples)  # an epoch's repeated rows left out
-            step = replace(step, shared=head.step_point(self, real, engine.add_counts))
+        if head.route is Route.TRAINER_LOSS:  # what its micro-batches take of the step (an epoch's repeats left out)
+            shared = head.step_shared(self, step.counts, real_batches(head, batch_samples), engine.add_counts)
+            step = replace(step, shared=shared)
         if step.settled:
             self._settled_head = head
         return step
@@ -245,29 +228,21 @@ class ExactLossOverrides:
     ):
         """
         The subclass's own `compute_loss` on a micro-batch of `items` (per count of its head), within what its head
-        adds (its router term held back, KTO's reference point, DPO's sft weight, GRPO's own mean); on an epoch's last
-        batch under DDP, where a batch may be cut to its real samples (or be all `padding`), its gathers (of its
-        metrics) take each rank's real rows.
+        adds (`TrainerLossHooks.around_loss`; its router term held back); on an epoch's last batch under DDP, where a
+        batch may be cut to its real samples (or be all `padding`), its gathers (of its metrics) take each rank's real
+        rows.
         """
         accelerator, own, step = self.accelerator, self._own_loss, self._counted_step
         training = step is not None and num_items_in_batch is step.total
-        logged, mode = getattr(own, "logged", None), "train" if self.model.training else "eval"
+        logged, mode = own.logged, "train" if self.model.training else "eval"
         before = logged.lengths(self._metrics[mode]) if logged is not None else None
         with contextlib.ExitStack() as within:
             if accelerator.num_processes > 1 and accelerator.gradient_state.end_of_dataloader:
                 within.enter_context(ragged_gathers(accelerator, padding))
             if own.router:  # the step adds the whole step's router term (`micro_batch_loss`): TRL's held back
                 within.enter_context(temporarily(self, "aux_loss_enabled", False))
-            point = step.shared if training else self._evaluation_point
-            if isinstance(own, KtoHead) and point is not None:  # the KL reference point of the step (the set)
-                within.enter_context(own.given_point(self, point))
-            if isinstance(own, PairsAndSftHead):  # DPO's sft term over the step's (the set's) chosen tokens
-                weights = own.sft_share(self.loss_weights, items, step.counts if training else point)
-                within.enter_context(temporarily(self, "loss_weights", weights))
-            if isinstance(own, GenerationHead):  # TRL's loss the mean over the micro-batch's own items
-                inputs = own.own_mean(inputs, accelerator.num_processes, training)
-                if training:  # GRPO divides by the accumulation steps itself
-                    within.enter_context(temporarily(self, "current_gradient_accumulation_steps", 1))
+            shared = step.shared if training else self._evaluation_shared
+            inputs = within.enter_context(own.around_loss(self, inputs, items, shared, training))
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if logged is not None:  # TRL's metrics of this micro-batch, kept with its items
             logged.record(self._metrics[mode], before, float(items[0]), mode)
@@ -317,10 +292,7 @@ class ExactLossOverrides:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
-            state, end = accelerator.gradient_state, None
-            if isinstance(head, GenerationHead) and state.end_of_dataloader:  # the set's prompts given repeatedly
-                end = EpochEnd(head.evaluation_remainder(state.active_dataloader))
-            inputs = self.exact.mark_evaluation_padding(head, inputs, state, data_rank, pads, end)
+            inputs = self.exact.mark_evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
         if self._run_context is None:  # compute_loss called outside train() and evaluate()
             self._pick_engine()
         context = self._run_context
@@ -349,17 +321,14 @@ class ExactLossOverrides:
         self.exact.evaluation.start(self.args.exact_loss, keep_outputs=not prediction_loss_only)
         own = self._trainer_loss_head() if self.args.exact_loss else None
         try:
-            gather = self.accelerator.gather_for_metrics
-            if isinstance(own, KtoHead) and self.calculate_KL:  # its KL reference point over the whole set, first
-                self._evaluation_point = own.evaluation_point(self, dataloader, gather)
-            if isinstance(own, PairsAndSftHead):  # the set's pairs and chosen tokens, first
-                self._evaluation_point = own.evaluation_counts(dataloader, gather)
+            if isinstance(own, LossHead):  # what every batch's loss takes of the whole set, made first
+                self._evaluation_shared = own.evaluation_shared(self, dataloader, self.accelerator.gather_for_metrics)
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
             exact = self.exact.evaluation.finish(self.exact.engine)
-            self._evaluation_point = None
+            self._evaluation_shared = None
         if exact is not None:
             # Stock reports the mean of per-batch means; this is sum of losses / sum of items over the whole set.
             output.metrics[f"{metric_key_prefix}_loss"] = exact

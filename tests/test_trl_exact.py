@@ -271,7 +271,7 @@ def test_two_ranks_and_an_uneven_last_step_are_the_whole_steps(setting, rows, ra
 
 def test_a_router_without_named_experts_keeps_trl_s_router_term(tmp_path, monkeypatch, hf_parallel_log):
     """A MoE config hf_parallel cannot read the experts of: the token loss exact, TRL's router term kept, warned."""
-    monkeypatch.setattr("hf_parallel.trainer.router_balance_of", lambda model, asked=False: None)
+    monkeypatch.setattr("hf_parallel.exact.heads.trainers.router_balance_of", lambda model, asked=False: None)
     split = {"rows": 5, "per_device": 2, "accumulation": 3, "settings": {"moe": True}}
     ours = train_split(trl, "SFTTrainer", _parallel("SFTTrainer"), str(tmp_path / "ours"), **split)
     stock = train_split(trl, "SFTTrainer", trl.SFTTrainer, str(tmp_path / "stock"), **split)

@@ -65,7 +65,7 @@ from .heads import (
 from .heads.base import sequence_length
 from .heads.contrastive import rows_of
 from .heads.router import RouterBalance, router_balance_of
-from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, trainer_loss_head
+from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, TrainerLossHooks, trainer_loss_head
 from .remainder import (
     REAL_ROWS_KEY,
     EpochEnd,
@@ -117,6 +117,7 @@ __all__ = [
     "SamplerPadding",
     "StepCounts",
     "Terms",
+    "TrainerLossHooks",
     "UnsupportedHead",
     "batch_device",
     "caller_autocast",

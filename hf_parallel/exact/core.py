@@ -168,17 +168,6 @@ class ExactLoss:
         """
         return all(head is None or key[2] or self.check.decided(key) for key, (_, head) in self._heads.items())
 
-    def settled(self, model: nn.Module, loss_func: Callable | None = None) -> bool:
-        """
-        Whether the head of `model` is chosen for good: cached, and either the stock loss, a `compute_loss_func`'s
-        head (its own judge), or a head whose check against the model's own loss ran and is decided.
-        """
-        key = self.key(model, loss_func)
-        cached = self._heads.get(key)
-        if cached is None or cached[0] is not model:
-            return False
-        return cached[1] is None or key[2] or self.check.concluded(self.key(model, None))
-
     @staticmethod
     def key(model: nn.Module, loss_func: Callable | None = None) -> tuple:
         """What the head of `model` is cached under: the model (model_init may make another), a classifier's
@@ -215,22 +204,24 @@ class ExactLoss:
         self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
         return False
 
-    def mark_evaluation_padding(
-        self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool, end: EpochEnd | None = None
-    ):
+    def mark_evaluation_padding(self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool):
         """
         A copy of the last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding,
         for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
         forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
         are 0 too. Under tensor parallelism (nothing is gathered) for every head. `inputs` itself for any other head,
-        and without DDP. `end`: where the set ends, when not where accelerate's dataloader says.
+        and without DDP. A Trainer subclass's head may say where the set ends (GRPO's, whose sampler gives each prompt
+        several times where accelerate counts the prompts).
         """
         if self.num_processes == 1 or (
             not head.ignore_index_items and head.route is not Route.TRAINER_LOSS and self.engine.data_replicas == 1
         ):
             return inputs
+        end = epoch_end(gradient_state)
+        if end is not None and head.route is Route.TRAINER_LOSS:  # where the subclass's own sampler ends the set
+            end = EpochEnd(head.evaluation_remainder(gradient_state.active_dataloader, end.remainder))
         inputs = dict(inputs)
-        self.mark_padding(head, [inputs], end or epoch_end(gradient_state), process_index, pads)
+        self.mark_padding(head, [inputs], end, process_index, pads)
         return inputs
 
     def mark_padding(

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
 
+from ...upstream import temporarily
 from .base import REAL_ROWS_KEY, LossHead, Route
 from .contrastive import rows_of
+from .router import RouterBalance, router_balance_of
 from .tokens import CrossEntropyHead
 
 __all__ = [
@@ -37,18 +40,58 @@ __all__ = [
     "PairsAndSftHead",
     "SampleMeanHead",
     "TokenSumHead",
+    "TrainerLossHooks",
     "trainer_loss_head",
 ]
 
 
-class TokenSumHead(CrossEntropyHead):
+class TrainerLossHooks:
+    """
+    What the head of a Trainer subclass's own loss adds to the one step around that loss, each a hook the Trainer
+    calls whatever the family (here: nothing; KTO's reference point, DPO's sft weight, GRPO's generations override
+    them). `logged` makes TRL's logged metrics the whole step's, where set.
+    """
+
+    route = Route.TRAINER_LOSS
+    #: TRL's logged metrics made the whole step's (`LoggedMetrics`), or None to keep TRL's.
+    logged: LoggedMetrics | None = None
+
+    def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """S of a micro-batch of `items` items from the subclass's loss (given `given` as its `num_items_in_batch`),
+        where that loss is the mean over the micro-batch's items."""
+        return loss.float() * items
+
+    def before_count(self, trainer, batches: list) -> list:
+        """The step's micro-batches as they will be computed, before they are counted (GRPO's generations)."""
+        return batches
+
+    def step_shared(self, trainer, counts: torch.Tensor, batches: list[dict], add: Callable) -> torch.Tensor | None:
+        """What every micro-batch's loss takes of the whole step (`StepCounts.shared`): its `counts` (added over
+        ranks), its real `batches`; `add` sums a tensor over the ranks. None: nothing."""
+        return None
+
+    def evaluation_shared(self, trainer, dataloader, gather: Callable) -> torch.Tensor | None:
+        """What every evaluation batch's loss takes of the whole set, made first (`gather`: accelerate's
+        `gather_for_metrics`). None: nothing."""
+        return None
+
+    def evaluation_remainder(self, loader, remainder: int) -> int:
+        """The real rows of the last global batch of an evaluation `loader`: accelerate's count, `remainder`."""
+        return remainder
+
+    @contextlib.contextmanager
+    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
+        """Around the subclass's `compute_loss` of a micro-batch of `items` (the head's count), given what the step
+        (the set) `shared`: yields the inputs to give it."""
+        yield inputs
+
+
+class TokenSumHead(TrainerLossHooks, CrossEntropyHead):
     """
     SFT's loss: the sum of its per-token losses (negative log-likelihood, or DFT's weighted one) over the label tokens
     after the causal shift, divided by the `num_items_in_batch` it is given and multiplied by `factor` (TRL's, under
     DDP with `average_tokens_across_devices`).
     """
-
-    route = Route.TRAINER_LOSS
 
     def __init__(self, name: str, factor: int):
         super().__init__(("labels",), name, shift=True, per_position=True, shift_ambiguous=False)
@@ -59,14 +102,12 @@ class TokenSumHead(CrossEntropyHead):
         return loss.float() * given.to(loss.device) / self.factor
 
 
-class SampleMeanHead(LossHead):
+class SampleMeanHead(TrainerLossHooks, LossHead):
     """
     A loss that is the mean over a batch's samples of a per-sample loss: DPO's loss types and their weighted sums and
     the reward model's Bradley-Terry loss with its margin and centring term, over preference pairs (a batch holds each
     pair as two rows, the chosen ones first: `[chosen; rejected]`, `rows_per_sample` 2); KTO's, over rows.
     """
-
-    route = Route.TRAINER_LOSS
 
     def __init__(self, name: str, rows_per_sample: int = 2):
         super().__init__(label_keys=(), name=name)
@@ -78,17 +119,13 @@ class SampleMeanHead(LossHead):
         real = batch.get(REAL_ROWS_KEY)
         return torch.tensor([samples if real is None else min(int(real), samples)])
 
-    def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """S of a micro-batch of `items` samples from the subclass's loss, their mean."""
-        return loss.float() * items
-
 
 class PairsAndSftHead(SampleMeanHead):
     """
     DPO with its `sft` term: its other loss types a mean over pairs, `sft` the mean negative log-likelihood over the
     chosen completions' tokens. Two counts, the pairs and the chosen tokens; TRL's `sft` weight of each micro-batch is
-    scaled (`sft_share`) so that, times its pairs over the step's, its term is its chosen tokens' share of the step's.
-    The step's counts in training; in evaluation the whole set's, counted first (`evaluation_counts`).
+    scaled (`around_loss`) so that, times its pairs over the step's, its term is its chosen tokens' share of the
+    step's. The step's counts in training; in evaluation the whole set's, counted first (`evaluation_shared`).
     """
 
     weights = (1.0, 1.0)
@@ -108,24 +145,25 @@ class PairsAndSftHead(SampleMeanHead):
         """S of a micro-batch from TRL's loss with its `sft` weight scaled: all of it over pairs."""
         return torch.stack([loss.float() * items[0], loss.new_zeros((), dtype=torch.float32)])
 
-    def sft_share(self, weights: list[float], items: torch.Tensor, totals: torch.Tensor) -> list[float]:
-        """TRL's `loss_weights` for a micro-batch: the `sft` weight times (chosen tokens / pairs) of the micro-batch
-        (`items`) times (pairs / chosen tokens) of the step or set (`totals`)."""
-        pairs, tokens = (float(n) for n in items)
-        all_pairs, all_tokens = (float(n) for n in totals)
-        weights = list(weights)
-        weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
-        return weights
+    def step_shared(self, trainer, counts: torch.Tensor, batches: list[dict], add: Callable) -> torch.Tensor:
+        """The step's pairs and chosen tokens."""
+        return counts
 
-    def evaluation_counts(self, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The pairs and chosen tokens of the whole evaluation set, each batch's rows of every rank gathered by
-        `gather` (accelerate's `gather_for_metrics`, which leaves out an epoch's repeated rows)."""
-        totals = torch.zeros(2, dtype=torch.float64)
-        for batch in dataloader:
-            pairs = rows_of(batch) // 2
-            chosen = gather(batch["completion_mask"][:pairs, 1:].sum(1)).double().cpu()
-            totals += torch.stack([totals.new_tensor(len(chosen)), chosen.sum()])
-        return totals
+    def evaluation_shared(self, trainer, dataloader, gather: Callable) -> torch.Tensor:
+        """The pairs and chosen tokens of the whole evaluation set."""
+        chosen = (gather(batch["completion_mask"][: rows_of(batch) // 2, 1:].sum(1)) for batch in dataloader)
+        return _sum_and_rows(chosen).flip(0)  # [pairs, chosen tokens], as `count`
+
+    @contextlib.contextmanager
+    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
+        """TRL's `loss_weights` for a micro-batch: the `sft` weight times (chosen tokens / pairs) of the micro-batch
+        (`items`) times (pairs / chosen tokens) of the step or set (`shared`)."""
+        pairs, tokens = (float(n) for n in items)
+        all_pairs, all_tokens = (float(n) for n in shared)
+        weights = list(trainer.loss_weights)
+        weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
+        with temporarily(trainer, "loss_weights", weights):
+            yield inputs
 
 
 class KtoHead(SampleMeanHead):
@@ -134,8 +172,8 @@ class KtoHead(SampleMeanHead):
     reference point, the mean over rows of the policy's minus the reference model's log-probability of a mismatched
     completion (TRL pairs each prompt with another row's). TRL estimates the point on each micro-batch (and averages
     ranks' means); here it is made once over the whole step's rows, or the whole evaluation set's, by a forward without
-    gradient (`step_point`, `evaluation_point`), and each micro-batch's loss is given it in place of its own forwards
-    of those rows (`given_point`): the same forwards, once.
+    gradient (`step_shared`, `evaluation_shared`), and each micro-batch's loss is given it in place of its own forwards
+    of those rows (`around_loss`): the same forwards, once.
     """
 
     def __init__(self, owner: type):
@@ -159,56 +197,55 @@ class KtoHead(SampleMeanHead):
                         return policy - trainer._compute_kl_logps(trainer.model, batch)
                 return policy - trainer._compute_kl_logps(trainer.ref_model, batch)
 
-    def step_point(self, trainer, batches: list[dict], add: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def step_shared(self, trainer, counts: torch.Tensor, batches: list[dict], add: Callable) -> torch.Tensor | None:
         """
         The point of a training step: the mean of `differences` over `batches` (cut to their real rows), their sum and
-        rows added over ranks by `add`.
+        rows added over ranks by `add`; None where TRL computes no KL term (`calculate_KL`).
         """
-        totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
-        for batch in batches:
-            differences = self.differences(trainer, batch).double()
-            totals += torch.stack([differences.sum(), totals.new_tensor(len(differences))])
-        return _mean(add(totals))
+        if not trainer.calculate_KL:
+            return None
+        return _mean(add(_sum_and_rows(self.differences(trainer, batch) for batch in batches).to(trainer.args.device)))
 
-    def evaluation_point(self, trainer, dataloader, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def evaluation_shared(self, trainer, dataloader, gather: Callable) -> torch.Tensor | None:
         """The point of an evaluation: the mean of `differences` over the whole set, each batch's rows of every rank
-        gathered by `gather` (accelerate's `gather_for_metrics`, which leaves out an epoch's repeated rows)."""
+        gathered by `gather`; None where TRL computes no KL term."""
+        if not trainer.calculate_KL:
+            return None
         was_training = trainer.model.training
         trainer.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=trainer.args.device)
         try:
-            for batch in dataloader:
-                differences = gather(self.differences(trainer, batch).double())
-                totals += torch.stack([differences.sum(), totals.new_tensor(len(differences))])
+            return _mean(_sum_and_rows(gather(self.differences(trainer, batch)) for batch in dataloader))
         finally:
             trainer.model.train(was_training)
-        return _mean(totals)
 
     @contextlib.contextmanager
-    def given_point(self, trainer, point: torch.Tensor):
+    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
         """
-        Within, TRL's loss takes `point` as its KL reference point: of the two forwards of a batch's KL rows it makes
-        (the policy's, then the reference model's), the first returns the point (plus a precomputed reference value,
-        which TRL then subtracts) and the second 0.
+        Within, TRL's loss takes `shared`, the step's (the set's) point, as its KL reference point: of the two forwards
+        of a batch's KL rows it makes (the policy's, then the reference model's), the first returns the point (plus a
+        precomputed reference value, which TRL then subtracts) and the second 0.
         """
+        if shared is None:
+            yield inputs
+            return
         calls = []
 
         def given(model, batch):
             rows = batch["KL_input_ids"].shape[0]
             calls.append(model)
             if len(calls) > 1:
-                return torch.zeros(rows, device=point.device)
-            value = point.to(batch["KL_input_ids"].device).expand(rows)
+                return torch.zeros(rows, device=shared.device)
+            value = shared.to(batch["KL_input_ids"].device).expand(rows)
             return value + batch["ref_KL_logps"] if trainer.precompute_ref_logps else value
 
         trainer._compute_kl_logps = given
         try:
-            yield
+            yield inputs
         finally:
             vars(trainer).pop("_compute_kl_logps", None)
 
 
-class GenerationHead(LossHead):
+class GenerationHead(TrainerLossHooks, LossHead):
     """
     The loss of a trainer that generates its completions (GRPO's, RLOO's): a mean over the completions of a batch
     (`items="rows"`: GRPO's `grpo`, `sapo` and `luspo`, RLOO's), over their tokens (`"tokens"`: `bnpo`, and `dapo`,
@@ -217,11 +254,9 @@ class GenerationHead(LossHead):
 
     The completions exist only once TRL's `_prepare_inputs` made them (every `steps_per_generation` micro-batches, for
     a whole generation batch), so the step's micro-batches are prepared before it is counted (`prepare`), at the
-    weights stock generates them at; each micro-batch's loss is then TRL's over its own items (`own_mean`), its S that
-    mean times its items.
+    weights stock generates them at (`before_count`); each micro-batch's loss is then TRL's over its own items
+    (`around_loss`), its S that mean times its items.
     """
-
-    route = Route.TRAINER_LOSS
 
     def __init__(
         self, name: str, items: str, length: int | None = None, share: int | None = None, repeats: int = 1
@@ -253,11 +288,7 @@ class GenerationHead(LossHead):
             mask = mask * batch["tool_mask"][: mask.shape[0]]
         return mask.sum().reshape(1).cpu()
 
-    def sums(self, loss: torch.Tensor, given: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """S of a micro-batch of `items` items from the trainer's loss, their mean (`own_mean`)."""
-        return loss.float() * items
-
-    def prepare(self, trainer, batches: list) -> list[dict]:
+    def before_count(self, trainer, batches: list) -> list[dict]:
         """
         TRL's micro-batches of a training step from the dataloader's (generation batches): `_prepare_inputs` of each,
         with the trainer's micro-batch counter `_step` as each will have it, the model in training mode; the counter
@@ -274,23 +305,26 @@ class GenerationHead(LossHead):
         finally:
             trainer._step = start
 
-    def evaluation_remainder(self, loader) -> int:
+    def evaluation_remainder(self, loader, remainder: int) -> int:
         """
         The real rows of the last global batch of an evaluation `loader` (accelerate's): accelerate counts the set's
-        prompts (the dataset's length), where TRL's sampler gives each prompt `repeats` times.
+        prompts (the dataset's length, `remainder`), where TRL's sampler gives each prompt `repeats` times.
         """
         return len(loader.dataset) * self.repeats % loader.total_batch_size
 
-    def own_mean(self, inputs: dict, processes: int, training: bool) -> dict:
+    @contextlib.contextmanager
+    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
         """
-        `inputs` for which TRL's loss is the mean over the batch's own items, once it is not divided by the
-        accumulation steps (GRPO divides by them itself in training): for dapo's kind, `num_items_in_batch` made the
-        batch's own tokens (`processes` ranks).
+        Within, TRL's loss is the mean over the batch's own items: not divided by the accumulation steps (GRPO divides
+        by them itself in training); for dapo's kind, `num_items_in_batch` made the batch's own tokens times the ranks
+        (and, in training, the micro-batches of a generation).
         """
-        if self.share is None:
-            return inputs
-        shares = processes * (self.share if training else 1)
-        return {**inputs, "num_items_in_batch": self.count(inputs).to(inputs["completion_mask"].device) * shares}
+        if self.share is not None:
+            shares = trainer.accelerator.num_processes * (self.share if training else 1)
+            count = self.count(inputs).to(inputs["completion_mask"].device) * shares
+            inputs = {**inputs, "num_items_in_batch": count}
+        with temporarily(trainer, "current_gradient_accumulation_steps", 1) if training else contextlib.nullcontext():
+            yield inputs
 
 
 class LoggedMetrics:
@@ -354,6 +388,15 @@ _LOGGED = {
 }  # fmt: skip
 
 
+def _sum_and_rows(values) -> torch.Tensor:
+    """`[sum, rows]` of per-row `values` (an iterable of vectors), in float64 on the CPU."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    for value in values:
+        value = value.double().cpu()
+        totals += torch.stack([value.sum(), totals.new_tensor(len(value))])
+    return totals
+
+
 def _mean(totals: torch.Tensor) -> torch.Tensor:
     return (totals[0] / totals[1].clamp(min=1)).float()
 
@@ -363,17 +406,35 @@ def _loss_types(args) -> list[str]:
     return list(loss_type) if isinstance(loss_type, (list, tuple)) else [loss_type]
 
 
-def trainer_loss_head(owner: type, args, ranks: int) -> LossHead | str | None:
+def trainer_loss_head(
+    owner: type, args, ranks: int, trainer=None, warn_once: Callable[[str], None] = warnings.warn
+) -> LossHead | str | None:
     """
     The head of the loss `owner.compute_loss` computes (`owner` the class that defines it; `args` its arguments;
     `ranks` the data-parallel processes), why there is none where the trainer is known but its loss is not a sum over
-    items (a sentence for the warning), or None for a class this module does not know.
+    items (a sentence for the warning), or None for a class this module does not know. Given the `trainer`, a MoE
+    model's router term, which TRL adds per micro-batch, is the head's `router`, made the whole step's (warned with
+    `warn_once` where the model's config does not name its experts).
     """
     if not owner.__module__.startswith("trl."):
         return None
     head = _head(owner, args, ranks)
-    if isinstance(head, LossHead) and owner.__name__ in _LOGGED:
+    if not isinstance(head, LossHead):
+        return head
+    if owner.__name__ in _LOGGED:
         head.logged = LoggedMetrics(_LOGGED[owner.__name__])
+    if getattr(trainer, "aux_loss_enabled", False):
+        if isinstance(head, GenerationHead):
+            return "its MoE router term is a mean over each micro-batch's completions."
+        router = router_balance_of(trainer.model, asked=True)
+        if router is None:
+            warn_once(
+                f"exact_loss: {owner.__name__}'s loss is exact over the whole step, but the router auxiliary term it "
+                f"adds is its own (a mean over each micro-batch): {type(trainer.model).__name__}'s config does not "
+                "name its experts (num_experts, num_experts_per_tok)."
+            )
+        else:  # TRL's term (a mean over each micro-batch) held back, the whole step's added
+            head.router = RouterBalance(router.experts, router.top_k, trainer.router_aux_loss_coef)
     return head
 
 
