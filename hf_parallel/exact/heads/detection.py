@@ -45,8 +45,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.loss import loss_for_object_detection
+from transformers.loss.loss_deformable_detr import DeformableDetrForObjectDetectionLoss, DeformableDetrHungarianMatcher
+from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss, HungarianMatcher
 
 from .base import LOSS_CALL_KEY, HeadFamily, HeadMismatch, LossCall, LossHead, Route, UnsupportedHead, class_names
+
+try:
+    from transformers.loss import loss_lw_detr
+except ImportError:  # transformers before LW-DETR
+    loss_lw_detr = None
 
 __all__ = ["OBJECT_DETECTION", "BoxTargets", "DetectionHead", "GroupedDetectionHead"]
 
@@ -97,10 +105,57 @@ def _stand_in_loss(arguments: dict):
     """What a DETR model's loss call returns where hf_parallel computes the loss: no loss, and the earlier layers'
     predictions as the model's loss would list them."""
     classes, coords = arguments.get("outputs_class"), arguments.get("outputs_coord")
-    config = arguments.get("config")
-    if classes is None or coords is None or not getattr(config, "auxiliary_loss", False):
+    if classes is None or coords is None or not getattr(arguments.get("config"), "auxiliary_loss", False):
         return None, None, None
     return None, None, [{"logits": a, "pred_boxes": b} for a, b in zip(classes[:-1], coords[:-1], strict=True)]
+
+
+class _NoSharedState:
+    """Stands for accelerate's `PartialState` where transformers' DETR loss asks whether processes share a state."""
+
+    _shared_state: dict = {}
+
+
+def _local_counts() -> list[tuple]:
+    """(module, name, stand-in) of what makes a detection loss count over every process."""
+    patches = (
+        (loss_for_object_detection, "PartialState", _NoSharedState),
+        (loss_lw_detr, "_is_torch_distributed_initialized", lambda: False),
+    )
+    return [(module, name, value) for module, name, value in patches if hasattr(module, name)]
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+@contextlib.contextmanager
+def _rows_alone():
+    """
+    Within it, transformers' DETR losses count the boxes of their own rows, as on one device: in a run of several
+    processes DETR's reduce the count over the ranks (accelerate's `reduce`, a mean) and divide it by the world size
+    again, LW-DETR's all-reduce it and divide by the world size. Only where several processes run; nested and
+    threaded uses share one patch.
+    """
+    global _patch_depth
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    with _patch_lock:
+        if _patch_depth == 0:
+            patches = _local_counts()
+            _rows_alone.saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+            for module, name, value in patches:
+                setattr(module, name, value)
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                for module, name, value in _rows_alone.saved:
+                    setattr(module, name, value)
 
 
 class DetectionHead(LossHead):
@@ -121,11 +176,11 @@ class DetectionHead(LossHead):
     route = Route.LABELS_IN_FORWARD
     #: What the matcher takes besides the predictions and targets (LW-DETR's: its query groups).
     match_options: dict = {}
+    #: The query groups, each matched to an image's boxes on its own, so that the boxes count once per group (LW-DETR).
+    groups: int = 1
     # The earlier layers' predictions exist only inside the forward; the model's own matching is spared outside the
-    # check, and in it runs on this rank's rows alone (`_rows_alone`, defined below).
-    loss_call = LossCall(
-        ("outputs_class", "outputs_coord"), stand_in=_stand_in_loss, own_context=lambda: _rows_alone()
-    )
+    # check, and in it runs on this rank's rows alone.
+    loss_call = LossCall(("outputs_class", "outputs_coord"), stand_in=_stand_in_loss, own_context=_rows_alone)
 
     def __init__(
         self,
@@ -144,11 +199,10 @@ class DetectionHead(LossHead):
         self.bbox_weight, self.giou_weight = float(bbox_weight), float(giou_weight)
         self.auxiliary_layers, self.eos_weight, self.focal_alpha = int(auxiliary_layers), eos_weight, focal_alpha
         # Softmax: [class term over the class weights, box terms over the boxes]; focal: every term over the boxes.
-        self.weights = (1.0,) if focal else (1.0, 1.0)
         # What each term's count is clamped to: the model's max(boxes, 1); a sum of class weights is never clamped
         # (any sum of weights above 0 is at least the smallest weight).
-        floor = min(1.0, eos_weight) if not focal and eos_weight > 0 else 1.0
-        self.floors = (1.0,) if focal else (floor, 1.0)
+        self.floors = (1.0,) if focal else (min(1.0, eos_weight) if eos_weight > 0 else 1.0, 1.0)
+        self.weights = (1.0,) * len(self.floors)
 
     def pop_labels(self, inputs: dict) -> dict:
         labels = super().pop_labels(inputs)
@@ -165,21 +219,19 @@ class DetectionHead(LossHead):
     def row_terms(self, outputs, labels: dict) -> tuple[torch.Tensor, torch.Tensor]:
         targets = BoxTargets.pack(labels["labels"])
         logits, boxes = outputs["logits"], outputs["pred_boxes"]
-        rows = targets.class_labels.shape[0]
-        self._check_logits(logits, rows)
-        targets = BoxTargets(targets.class_labels.to(logits.device), targets.boxes.to(logits.device))
+        self._check_logits(logits, len(targets.class_labels))
+        targets = BoxTargets(*(part.to(logits.device) for part in targets))
         layers = self._layers(logits, boxes, labels.get(LOSS_CALL_KEY, {}), outputs)
         lists = targets.for_model()
-        class_sums = logits.new_zeros(rows, dtype=torch.float32)
-        box_sums = logits.new_zeros(rows, dtype=torch.float32)
+        class_sums = box_sums = logits.new_zeros(len(lists), dtype=torch.float32)
         for layer_logits, layer_boxes in layers:
             image, query, target = self._matched(layer_logits, layer_boxes, lists)
             class_sums = class_sums + self._class_sums(layer_logits, layer_boxes, targets, image, query, target)
             pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())
             box_sums = box_sums.index_add(0, image, pairs)
-        if self.eos_weight is None:
-            return (class_sums + box_sums).unsqueeze(-1), self._row_counts(targets)
-        return torch.stack([class_sums, box_sums], -1), self._row_counts(targets)
+        sums = torch.stack([class_sums, box_sums], -1)
+        # A focal class term has the boxes for its count too: one term.
+        return (sums if self.eos_weight is not None else sums.sum(-1, keepdim=True)), self._row_counts(targets)
 
     def _check_logits(self, logits: torch.Tensor, rows: int) -> None:
         classes = self.num_classes + (0 if self.eos_weight is None else 1)
@@ -190,34 +242,30 @@ class DetectionHead(LossHead):
             )
 
     def _layers(self, logits, boxes, call: dict, outputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (logits, boxes) the loss matches and scores: the last decoder layer's, then the earlier ones'."""
-        return [(logits, boxes), *self._auxiliary(call)]
-
-    def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
-        """`[images, terms]` float64: the boxes, and for a softmax class term first the sum of its class weights."""
-        boxes = targets.box_counts().double()
-        if self.eos_weight is None:
-            return boxes.unsqueeze(-1)
-        matched = boxes.clamp(max=self.queries)
-        return torch.stack([matched + (self.queries - matched) * self.eos_weight, boxes], -1)
-
-    def _auxiliary(self, call: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The earlier decoder layers' (logits, boxes), as the model's loss takes them (all but the last layer)."""
+        """The (logits, boxes) the loss matches and scores: the last decoder layer's, then the earlier ones' (as the
+        model's loss takes them: all but the last layer)."""
         if not self.auxiliary_layers:
-            return []
+            return [(logits, boxes)]
         classes, coords = call.get("outputs_class"), call.get("outputs_coord")
         if classes is None or coords is None:
             raise HeadMismatch(f"{self.name}: the model did not pass its decoder layers' predictions to its loss.")
-        return list(zip(classes[:-1], coords[:-1], strict=True))[: self.auxiliary_layers]
+        return [(logits, boxes), *list(zip(classes[:-1], coords[:-1], strict=True))[: self.auxiliary_layers]]
+
+    def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
+        """`[images, terms]` float64: the boxes (once per query group), and for a softmax class term first the sum of
+        its class weights."""
+        boxes = targets.box_counts().double()
+        if self.eos_weight is None:
+            return (boxes * self.groups).unsqueeze(-1)
+        matched = boxes.clamp(max=self.queries)
+        return torch.stack([matched + (self.queries - matched) * self.eos_weight, boxes], -1)
 
     def _matched(self, logits: torch.Tensor, boxes: torch.Tensor, lists: list[dict]):
         """`(image, query, target)` index vectors of the matched pairs, on the logits' device."""
         indices = self.matcher({"logits": logits.detach(), "pred_boxes": boxes.detach()}, lists, **self.match_options)
         image = torch.cat([torch.full_like(queries, i) for i, (queries, _) in enumerate(indices)])
-        query = torch.cat([queries for queries, _ in indices])
-        target = torch.cat([targets for _, targets in indices])
-        device = logits.device
-        return image.to(device), query.to(device), target.to(device)
+        query, target = (torch.cat(column) for column in zip(*indices, strict=True))
+        return image.to(logits.device), query.to(logits.device), target.to(logits.device)
 
     def _class_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
         """`[images]`: the class term's sum of each image (its weighted cross-entropy, or its focal loss)."""
@@ -225,8 +273,7 @@ class DetectionHead(LossHead):
         classes[image, query] = targets.class_labels[image, target]
         logits = logits.float()
         if self.eos_weight is not None:
-            weight = logits.new_ones(self.num_classes + 1)
-            weight[-1] = self.eos_weight
+            weight = F.pad(logits.new_ones(self.num_classes), (0, 1), value=self.eos_weight)
             return F.cross_entropy(logits.transpose(1, 2), classes, weight, reduction="none").sum(-1)
         onehot = F.one_hot(classes, self.num_classes + 1)[..., :-1].to(logits.dtype)
         return _focal(logits, onehot, self.focal_alpha).flatten(1).sum(-1)
@@ -234,7 +281,7 @@ class DetectionHead(LossHead):
     def _box_terms(self, predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """`[pairs]`: bbox weight x L1 + GIoU weight x (1 - GIoU) of each matched pair."""
         l1 = (predicted - target).abs().sum(-1)
-        return self.bbox_weight * l1 + self.giou_weight * (1 - _pairwise_giou(predicted, target))
+        return self.bbox_weight * l1 + self.giou_weight * (1 - _pairwise_iou(predicted, target, generalized=True))
 
 
 class GroupedDetectionHead(DetectionHead):
@@ -254,10 +301,8 @@ class GroupedDetectionHead(DetectionHead):
         groups (`int`): `config.group_detr`.
     """
 
-    loss_call = LossCall(
-        ("outputs_class", "outputs_coord", "enc_outputs_class", "enc_outputs_coord"),
-        stand_in=_stand_in_loss,
-        own_context=lambda: _rows_alone(),
+    loss_call = DetectionHead.loss_call._replace(
+        arguments=("outputs_class", "outputs_coord", "enc_outputs_class", "enc_outputs_coord")
     )
 
     def __init__(self, matcher, queries, num_classes, bbox_weight, giou_weight, auxiliary_layers, **options):
@@ -276,20 +321,14 @@ class GroupedDetectionHead(DetectionHead):
             )
 
     def _layers(self, logits, boxes, call: dict, outputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [*super()._layers(logits, boxes, call, outputs), self._proposals(call, outputs)]
-
-    def _row_counts(self, targets: BoxTargets) -> torch.Tensor:
-        """`[images, 1]` float64: each image's boxes, once per query group."""
-        return (targets.box_counts().double() * self.groups).unsqueeze(-1)
-
-    def _proposals(self, call: dict, outputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The encoder's proposals (logits, boxes), which the loss matches and scores like a decoder layer's."""
+        layers = super()._layers(logits, boxes, call, outputs)
+        # Then the encoder's proposals (logits, boxes), which the loss matches and scores like a decoder layer's.
         classes, coords = call.get("enc_outputs_class"), call.get("enc_outputs_coord")
         if classes is None or coords is None:
             classes, coords = outputs.get("enc_outputs_class"), outputs.get("enc_outputs_coord_logits")
         if classes is None or coords is None:
             raise HeadMismatch(f"{self.name}: the model gave no encoder proposals to its loss.")
-        return classes, coords
+        return [*layers, (classes, coords)]
 
     def _class_sums(self, logits, boxes, targets: BoxTargets, image, query, target) -> torch.Tensor:
         """`[images]`: the IoU-aware class term of each image over every query and class, weighted."""
@@ -318,155 +357,46 @@ def _focal(logits: torch.Tensor, target: torch.Tensor, alpha: float, gamma: floa
     return loss
 
 
-def _corners(boxes: torch.Tensor) -> torch.Tensor:
-    center, size = boxes[..., :2], boxes[..., 2:]
-    return torch.cat([center - size / 2, center + size / 2], -1)
-
-
-def _intersection_union(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[pairs]` each: the intersection and the union of corner-format boxes `a[i]` and `b[i]`."""
+def _pairwise_iou(a: torch.Tensor, b: torch.Tensor, generalized: bool = False) -> torch.Tensor:
+    """`[pairs]`: the IoU of boxes `a[i]` and `b[i]` (center format); with `generalized`, their generalized IoU."""
+    # Corner format: (x0, y0, x1, y1).
+    a, b = (torch.cat([box[..., :2] - box[..., 2:] / 2, box[..., :2] + box[..., 2:] / 2], -1) for box in (a, b))
     area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
     area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     inner = (torch.min(a[:, 2:], b[:, 2:]) - torch.max(a[:, :2], b[:, :2])).clamp(min=0)
     intersection = inner[:, 0] * inner[:, 1]
-    return intersection, area_a + area_b - intersection
-
-
-def _pairwise_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`[pairs]`: the IoU of boxes `a[i]` and `b[i]` (center format)."""
-    intersection, union = _intersection_union(_corners(a), _corners(b))
-    return intersection / union
-
-
-def _pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`[pairs]`: the generalized IoU of boxes `a[i]` and `b[i]` (center format)."""
-    a, b = _corners(a), _corners(b)
-    intersection, union = _intersection_union(a, b)
+    union = area_a + area_b - intersection
+    if not generalized:
+        return intersection / union
     outer = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0)
     enclosing = outer[:, 0] * outer[:, 1]
     return intersection / union - (enclosing - union) / enclosing
 
 
-class _NoSharedState:
-    """Stands for accelerate's `PartialState` where transformers' DETR loss asks whether processes share a state."""
+# transformers' DETR loss functions: the matcher each uses, and its class term ("softmax", "focal", or LW-DETR's
+# "grouped" IoU-aware one).
+_LOSSES = {
+    ForObjectDetectionLoss: (HungarianMatcher, "softmax"),
+    DeformableDetrForObjectDetectionLoss: (DeformableDetrHungarianMatcher, "focal"),
+}
+if loss_lw_detr is not None:
+    _LOSSES[loss_lw_detr.LwDetrForObjectDetectionLoss] = (loss_lw_detr.LwDetrHungarianMatcher, "grouped")
 
-    _shared_state: dict = {}
-
-
-_patch_lock = threading.Lock()
-_patch_depth = 0
-
-
-@contextlib.contextmanager
-def _rows_alone():
-    """
-    Within it, transformers' DETR losses count the boxes of their own rows, as on one device: in a run of several
-    processes DETR's reduce the count over the ranks (accelerate's `reduce`, a mean) and divide it by the world size
-    again, LW-DETR's all-reduce it and divide by the world size. Only where several processes run; nested and
-    threaded uses share one patch.
-    """
-    global _patch_depth
-    several = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not several:
-        yield
-        return
-    with _patch_lock:
-        if _patch_depth == 0:
-            _rows_alone.saved = [(module, name, getattr(module, name)) for module, name, _ in _local_counts()]
-            for module, name, value in _local_counts():
-                setattr(module, name, value)
-        _patch_depth += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                for module, name, value in _rows_alone.saved:
-                    setattr(module, name, value)
-
-
-def _local_counts() -> list[tuple]:
-    """(module, name, stand-in) of what makes a detection loss count over every process."""
-    patches = []
-    module = _detr_loss_module()
-    if module is not None and hasattr(module, "PartialState"):
-        patches.append((module, "PartialState", _NoSharedState))
-    try:
-        from transformers.loss import loss_lw_detr
-    except ImportError:
-        return patches
-    if hasattr(loss_lw_detr, "_is_torch_distributed_initialized"):
-        patches.append((loss_lw_detr, "_is_torch_distributed_initialized", lambda: False))
-    return patches
-
-
-def _detr_loss_module():
-    try:
-        from transformers.loss import loss_for_object_detection
-    except ImportError:
-        return None
-    return loss_for_object_detection
-
-
-def _missing_box_helpers() -> str | None:
-    """
-    Why transformers' DETR matching cannot run here, or None: it imports its box helpers (`center_to_corners_format`)
-    only where Pillow is installed, and without them its matcher stops with "NameError: name
-    'center_to_corners_format' is not defined" (stock's training as well as the head's matching).
-    """
-    module = _detr_loss_module()
-    if module is None or hasattr(module, "center_to_corners_format"):
-        return None
-    return (
-        "{name}'s Hungarian matching (transformers' own) needs Pillow, without which transformers does not import its "
-        "box helpers (NameError: name 'center_to_corners_format' is not defined): pip install pillow."
-    )
-
-
-def _losses() -> dict:
-    """transformers' DETR loss functions: the matcher each uses, and its class term ("softmax", "focal", or LW-DETR's
-    "grouped" IoU-aware one)."""
-    try:
-        from transformers.loss.loss_deformable_detr import (
-            DeformableDetrForObjectDetectionLoss,
-            DeformableDetrHungarianMatcher,
-        )
-        from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss, HungarianMatcher
-    except ImportError:
-        return {}
-    losses = {
-        ForObjectDetectionLoss: (HungarianMatcher, "softmax"),
-        DeformableDetrForObjectDetectionLoss: (DeformableDetrHungarianMatcher, "focal"),
-    }
-    try:
-        from transformers.loss.loss_lw_detr import LwDetrForObjectDetectionLoss, LwDetrHungarianMatcher
-    except ImportError:  # transformers before LW-DETR
-        return losses
-    losses[LwDetrForObjectDetectionLoss] = (LwDetrHungarianMatcher, "grouped")
-    return losses
-
-
-# Why the other detection losses of transformers stay on the stock loss, by the name of their loss function.
+# Why the other detection losses of transformers stay on the stock loss, by the start of their loss function's name.
+_DENOISING_LOSSES = ("RTDetr", "DFine", "Deimv2")
 _DENOISING = (
     ": in training its forward adds denoising queries built from the whole batch's boxes (as many groups as its "
     "denoising queries over the batch's largest box count, their noise drawn per batch), so no split of a step "
     "equals one forward"
 )
-_OTHER_LOSSES = {
-    "RTDetr": _DENOISING,
-    "DFine": _DENOISING,
-    "Deimv2": _DENOISING,
-}
 
 
 def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     config = model.config
-    losses = _losses()
     loss_function = getattr(model, "loss_function", None)
-    if loss_function not in losses:
+    if loss_function not in _LOSSES:
         function = getattr(loss_function, "__name__", str(loss_function))
-        why = next((reason for prefix, reason in _OTHER_LOSSES.items() if function.startswith(prefix)), "")
+        why = _DENOISING if function.startswith(_DENOISING_LOSSES) else ""
         raise UnsupportedHead(
             f"{name}'s detection loss ({function}) is not one hf_parallel computes per image (it knows DETR's and "
             f"Deformable DETR's){why}."
@@ -474,30 +404,27 @@ def _detection(name: str, model, labels, smoothing: float) -> LossHead:
     queries = getattr(config, "num_queries", None) or getattr(config, "num_detection_tokens", None)
     if not isinstance(queries, int):
         raise UnsupportedHead(f"{name}'s config gives no number of queries (num_queries, num_detection_tokens).")
-    matcher_class, kind = losses[loss_function]
-    missing = _missing_box_helpers()
-    if missing is not None:
-        raise ImportError(missing.format(name=name))
+    matcher_class, kind = _LOSSES[loss_function]
+    # transformers imports its box helpers (`center_to_corners_format`) only where Pillow is installed, and without
+    # them its matcher stops with "NameError: name 'center_to_corners_format' is not defined" (stock's training as
+    # well as the head's matching).
+    if not hasattr(loss_for_object_detection, "center_to_corners_format"):
+        raise ImportError(
+            f"{name}'s Hungarian matching (transformers' own) needs Pillow, without which transformers does not "
+            "import its box helpers (NameError: name 'center_to_corners_format' is not defined): pip install pillow."
+        )
     try:
         matcher = matcher_class(class_cost=config.class_cost, bbox_cost=config.bbox_cost, giou_cost=config.giou_cost)
     except ImportError as missing:  # the matcher needs scipy
         raise UnsupportedHead(f"{name}'s Hungarian matching needs scipy: pip install scipy.") from missing
     auxiliary = max(getattr(config, "decoder_layers", 1) - 1, 0) if getattr(config, "auxiliary_loss", False) else 0
-    common = (
-        matcher,
-        queries,
-        config.num_labels,
-        config.bbox_loss_coefficient,
-        config.giou_loss_coefficient,
-        auxiliary,
-    )
+    common = (matcher, queries, config.num_labels, config.bbox_loss_coefficient, config.giou_loss_coefficient)
     alpha = float(getattr(config, "focal_alpha", 0.25))
     if kind == "grouped":
         options = {"groups": config.group_detr, "class_weight": config.class_loss_coefficient}
-        return GroupedDetectionHead(*common, focal_alpha=alpha, **options)
-    return DetectionHead(
-        *common, eos_weight=float(config.eos_coefficient) if kind == "softmax" else None, focal_alpha=alpha
-    )
+        return GroupedDetectionHead(*common, auxiliary, focal_alpha=alpha, **options)
+    eos_weight = float(config.eos_coefficient) if kind == "softmax" else None
+    return DetectionHead(*common, auxiliary, eos_weight=eos_weight, focal_alpha=alpha)
 
 
 OBJECT_DETECTION = HeadFamily(class_names("MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"), _detection)
