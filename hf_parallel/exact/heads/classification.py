@@ -26,13 +26,11 @@ __all__ = [
 
 
 class _ElementwiseHead(LossHead):
-    """A loss over every label element (no ignored entries): each element of a row's labels is an item."""
+    """A loss over every label element (no ignored entries): each element of a row's labels is an item. Subclasses
+    define `_per_item(logits, target)`, the loss of each element."""
 
     def valid(self, target: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         return torch.ones_like(target, dtype=torch.bool)
-
-    def _per_item(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
     def row_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = _logits(outputs)

@@ -146,14 +146,13 @@ def watch_decoder(model: nn.Module) -> DecoderInputsWatch | None:
 
 
 def _seq2seq_lm(name: str, model, labels, smoothing: float) -> LossHead:
-    if not callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
-        # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
-        return LabelsInForwardHead(
-            name="seq2seq_lm/labels_in_forward", smoothing=smoothing, per_position=True, shift_ambiguous=False
-        )
-    return CrossEntropyHead(
+    head = CrossEntropyHead(
         name="seq2seq_lm", smoothing=smoothing, builds_decoder_inputs=True, per_position=True, shift_ambiguous=False
     )
+    if callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
+        return head
+    # It builds its decoder inputs inside its forward only, from the labels (or, FSMT, from the inputs).
+    return keeping_labels_in_forward(head)
 
 
 def _multimodal_lm(name: str, model, labels, smoothing: float) -> LossHead:

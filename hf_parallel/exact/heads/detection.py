@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from transformers.loss import loss_for_object_detection
 from transformers.loss.loss_deformable_detr import DeformableDetrForObjectDetectionLoss, DeformableDetrHungarianMatcher
 from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss, HungarianMatcher
@@ -83,10 +84,7 @@ class BoxTargets(NamedTuple):
             )
         classes = [torch.as_tensor(t["class_labels"]).long().reshape(-1) for t in targets]
         boxes = [torch.as_tensor(t["boxes"]).reshape(-1, 4) for t in targets]
-        widest = max((len(c) for c in classes), default=0)
-        packed_classes = torch.stack([F.pad(c, (0, widest - len(c)), value=-1) for c in classes])
-        packed_boxes = torch.stack([F.pad(b, (0, 0, 0, widest - len(b))) for b in boxes])
-        return cls(packed_classes, packed_boxes)
+        return cls(pad_sequence(classes, batch_first=True, padding_value=-1), pad_sequence(boxes, batch_first=True))
 
     def box_counts(self) -> torch.Tensor:
         """`[images]`: the boxes of each image."""
@@ -116,13 +114,11 @@ class _NoSharedState:
     _shared_state: dict = {}
 
 
-def _local_counts() -> list[tuple]:
-    """(module, name, stand-in) of what makes a detection loss count over every process."""
-    patches = (
-        (loss_for_object_detection, "PartialState", _NoSharedState),
-        (loss_lw_detr, "_is_torch_distributed_initialized", lambda: False),
-    )
-    return [(module, name, value) for module, name, value in patches if hasattr(module, name)]
+# (module, name, stand-in) of what makes a detection loss count over every process, where the module has it.
+_LOCAL_COUNTS = (
+    (loss_for_object_detection, "PartialState", _NoSharedState),
+    (loss_lw_detr, "_is_torch_distributed_initialized", lambda: False),
+)
 
 
 _patch_lock = threading.Lock()
@@ -143,7 +139,7 @@ def _rows_alone():
         return
     with _patch_lock:
         if _patch_depth == 0:
-            patches = _local_counts()
+            patches = [(module, name, value) for module, name, value in _LOCAL_COUNTS if hasattr(module, name)]
             _rows_alone.saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
             for module, name, value in patches:
                 setattr(module, name, value)
@@ -221,10 +217,9 @@ class DetectionHead(LossHead):
         logits, boxes = outputs["logits"], outputs["pred_boxes"]
         self._check_logits(logits, len(targets.class_labels))
         targets = BoxTargets(*(part.to(logits.device) for part in targets))
-        layers = self._layers(logits, boxes, labels.get(LOSS_CALL_KEY, {}), outputs)
         lists = targets.for_model()
         class_sums = box_sums = logits.new_zeros(len(lists), dtype=torch.float32)
-        for layer_logits, layer_boxes in layers:
+        for layer_logits, layer_boxes in self._layers(logits, boxes, labels.get(LOSS_CALL_KEY, {}), outputs):
             image, query, target = self._matched(layer_logits, layer_boxes, lists)
             class_sums = class_sums + self._class_sums(layer_logits, layer_boxes, targets, image, query, target)
             pairs = self._box_terms(layer_boxes[image, query].float(), targets.boxes[image, target].float())

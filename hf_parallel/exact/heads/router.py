@@ -58,11 +58,6 @@ class RouterBalance:
     def __repr__(self) -> str:
         return f"RouterBalance(experts={self.experts}, top_k={self.top_k}, coef={self.coef})"
 
-    @property
-    def width(self) -> int:
-        """Columns of `row_stats`: T (E), Q (E), n (1)."""
-        return 2 * self.experts + 1
-
     def row_stats(self, outputs, attention_mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
         """
         `[rows, 2E + 1]`: per row, T (top-k assignments per expert), Q (routing probability per expert, with its

@@ -104,13 +104,11 @@ class CrossEntropyHead(LossHead):
         return labels
 
     def targets(self, labels: dict[str, torch.Tensor], seq_len: int | None = None) -> list[torch.Tensor]:
-        target = labels["labels"]
-        if self.shift:
-            if "shift_labels" in labels:
-                target = labels["shift_labels"]
-            else:
-                target = F.pad(target[..., 1:], (0, 1), value=IGNORE_INDEX)
-        return [target]
+        if not self.shift:
+            return [labels["labels"]]
+        if "shift_labels" in labels:
+            return [labels["shift_labels"]]
+        return [F.pad(labels["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)]
 
     def position_terms(self, outputs, labels: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position losses and items, each `[rows, positions]` (one position per row for sequence-level heads)."""
