@@ -92,8 +92,7 @@ def contrastive_variant(model: nn.Module, name: str) -> ContrastiveVariant | Non
     def has(*names: str) -> bool:
         return all(isinstance(getattr(model, n, None), nn.Parameter) for n in names)
 
-    other = "audio_embeds" if "audio" in name.lower() or "clap" in name.lower() else "image_embeds"
-    keys = ("text_embeds", other)
+    keys = ("text_embeds", "audio_embeds" if "audio" in name.lower() or "clap" in name.lower() else "image_embeds")
     if name == "VideoPrismClipModel":  # its loss reads no parameter of the model
         return ContrastiveVariant("videoprism", ("text_embeds", "video_embeds"), _videoprism, ())
     if has("logit_scale_t", "logit_scale_a"):
