@@ -31,6 +31,7 @@ from torch import nn
 
 from ..saving.unwrap import unwrap_model
 from .heads import HeadMismatch, LossHead, Route
+from .resolve import _inside_adapters
 
 __all__ = [
     "PROBE_OFFSET",
@@ -54,7 +55,6 @@ __all__ = [
 # computed and rounded in bfloat16/float16 is off by up to half its last bit (2^-9 ~ 0.2%). A wrong head is further
 # off: an unshifted cross-entropy instead of a shifted one differs by percents even on an untrained tiny model.
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
-_HALF_TOLERANCE = 1e-2
 
 # A head's `[samples, terms]` loss sums and item counts (not `hf_parallel.exact.terms.Terms`, a forward's whole).
 SampleTerms = tuple[torch.Tensor, torch.Tensor]
@@ -93,19 +93,12 @@ def accepts_item_count(model: nn.Module) -> bool:
     Whether `model` (out of its wrappers) may be given `num_items_in_batch`: its `accepts_loss_kwargs` where it sets
     one, else whether its `forward` (an instance's own, as Liger patches it, or its class's) takes it or `**kwargs`.
     """
-    inner = _base_model(model)
+    inner, _ = _inside_adapters(unwrap_model(model))  # PEFT: its forward passes **kwargs on to the model's
     flag = getattr(inner, "accepts_loss_kwargs", None)
     if isinstance(flag, bool):
         return flag
     forward = inner.forward  # an instance's own forward first (Liger patches the instance), else its class's
     return _takes_count(getattr(forward, "__func__", forward))
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside every wrapper (`unwrap_model`) and a PEFT model."""
-    model = unwrap_model(model)
-    base = getattr(model, "get_base_model", None)  # PEFT: its forward passes **kwargs on to the model's
-    return base() if callable(base) and getattr(model, "active_peft_config", None) is not None else model
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,7 +144,7 @@ class ReplicaCheck(NamedTuple):
 
 def tolerance(dtype: torch.dtype) -> float:
     """The relative tolerance of a comparison with a model loss of `dtype`."""
-    return _TOLERANCE.get(dtype, _HALF_TOLERANCE)
+    return _TOLERANCE.get(dtype, 1e-2)  # bfloat16, float16
 
 
 def candidate_heads(head: LossHead) -> tuple[LossHead, ...]:
@@ -250,9 +243,9 @@ def replica_check(
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
     mismatched: set[LossHead] = set()
-    # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
-    has_logits = count is None or not fused_outputs(outputs)
-    device = _device_of(outputs)
+    # The device of the outputs: that of their first tensor.
+    values = outputs.values() if isinstance(outputs, dict) else outputs
+    device = next((value.device for value in values if torch.is_tensor(value)), torch.device("cpu"))
 
     def terms_of(head: LossHead) -> SampleTerms:
         if head not in computed:
@@ -267,98 +260,60 @@ def replica_check(
                 computed[head] = (empty, empty.long())
         return computed[head]
 
+    # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
+    has_logits = count is None or not fused_outputs(outputs)
     first = terms_of(candidates[0])
     # Without logits no other candidate can be computed (nor chosen: it cannot fit); as many terms all the same.
     terms = [first, *(terms_of(c) if has_logits else first for c in candidates[1:])]
-    loss = model_loss(outputs)
-    divisors: list[float | None] = [None] * len(candidates)
-    fits, losses, honours, mean = _verdicts(
-        candidates, terms_of, loss, count, has_logits, divisors, mismatched, router, device
-    )
-    # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
-    graph_sums = None
-    if gradient_from_loss:
-        own_router = model_router_term(candidates[0], outputs)
-        cross_entropy = loss if own_router is None else loss - own_router  # a MoE model's: its router term out
-        graph_sums = _graph_sums(terms, cross_entropy, divisors, _graph_zero(outputs))
-    unknown = torch.full((1, 1), float("nan"), device=device)
-    return ReplicaCheck(
-        fits=fits,
-        losses=losses,
-        honours=honours,
-        decoder=decoder.to(device) if decoder is not None else unknown,
-        model_loss=mean.reshape(1),
-        sums=tuple(t[0] for t in terms),
-        counts=tuple(t[1] for t in terms),
-        graph_sums=graph_sums,
-    )
-
-
-def _verdicts(candidates, terms_of, loss, count, has_logits: bool, divisors: list, mismatched: set, router, device):
-    """
-    The model's loss against each candidate's: `fits` `[1, candidates]`, `losses` `[1, 2]` (the model's mean, the
-    closest candidate's), `honours` `[1, 1]` (whether the model divided by the count it was given) and the model's
-    loss as a mean of its items; NaN where the forward returned no loss. `divisors` is filled per candidate.
-    """
+    # NaN where the forward returned no loss (or nothing could be compared); the model's mean loss 0 then.
     fits = torch.full((1, len(candidates)), float("nan"), device=device)
     losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
     honours = torch.full((1, 1), float("nan"), device=device)
     mean = torch.zeros(1, device=device)
-    if loss is None:
-        return fits, losses, honours, mean
+    loss = model_loss(outputs)
     n = float(count.detach()) if count is not None else None
-    if not has_logits:
-        honours[0, 0] = _honours_by_gradient(loss, count)
-    else:
-        extra = float(router) if router is not None else 0.0
-        honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divisors, mismatched, extra)
-    mean = loss
-    if honours[0, 0] == 1:  # S / N: the mean of its items is S / C
-        mean = loss * (n / max(int(terms_of(candidates[0])[1].sum()), 1))
-    losses[0, 0] = mean.detach().double()
-    return fits, losses, honours, mean
-
-
-def _device_of(outputs) -> torch.device:
-    """The device of a forward's outputs: that of its first tensor."""
-    values = outputs.values() if isinstance(outputs, dict) else outputs
-    return next((value.device for value in values if torch.is_tensor(value)), torch.device("cpu"))
-
-
-def _graph_zero(outputs) -> torch.Tensor:
-    """A 0 on the graph of the logits, whose gradient is 0 everywhere (the model's mean loss over no items is NaN)."""
-    logits = outputs["logits"]
-    return logits.sum().float() * 0.0
-
-
-def _graph_sums(terms: list[SampleTerms], loss, divisors: list[float | None], zero: torch.Tensor) -> torch.Tensor:
-    """
-    `[1, K]`: the loss sum of each candidate to back-propagate, from the model's loss L: L times its divisor where L
-    fits (its items, or the count N it honours), `zero` without items (no row of this replica counts: no gradient, as
-    one device gives none for them; still on the graph, so that a step without any item back-propagates), else L
-    times the items (a candidate that does not fit here is never chosen).
-    """
-    values = []
-    for (_, counts), divisor in zip(terms, divisors, strict=True):
-        items = counts.sum()
-        if int(items) == 0:
-            values.append(zero)
+    divided: dict[int, bool] = {}  # per candidate that fits: whether the loss is its sum / n (else its mean)
+    if loss is not None:
+        if has_logits:
+            extra = float(router) if router is not None else 0.0
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divided, mismatched, extra)
         else:
-            values.append(loss.float() * (divisor if divisor is not None else items.to(loss.device).float()))
-    return torch.stack(values).reshape(1, -1)
+            honours[0, 0] = _honours_by_gradient(loss, count)
+        mean = loss * (n / max(int(first[1].sum()), 1)) if honours[0, 0] == 1 else loss  # S / N: its mean is S / C
+        losses[0, 0] = mean.detach().double()
+    # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
+    graph_sums = None
+    if gradient_from_loss:
+        own_router = model_router_term(candidates[0], outputs)
+        cross_entropy = (loss if own_router is None else loss - own_router).float()  # a MoE model's: router term out
+        # Per candidate, the loss sum to back-propagate from the model's loss L: L times n where L is its sum divided
+        # by the count n it was given, else L times the items (its mean where it fits; a candidate that does not fit
+        # here is never chosen); without items a 0 on the graph of the logits (no row of this replica counts: no
+        # gradient, as one device gives none for them; still on the graph, so that a step without any item
+        # back-propagates; the model's mean loss over no items is NaN).
+        graph = []
+        for k, (_, candidate_counts) in enumerate(terms):
+            items = candidate_counts.sum()
+            if int(items) == 0:
+                graph.append(outputs["logits"].sum().float() * 0.0)
+            else:
+                graph.append(cross_entropy * (n if divided.get(k) else items.to(loss.device).float()))
+        graph_sums = torch.stack(graph).reshape(1, -1)  # [1, K]
+    sums, counts = zip(*terms, strict=True)
+    decoder = decoder.to(device) if decoder is not None else torch.full((1, 1), float("nan"), device=device)
+    return ReplicaCheck(fits, losses, honours, decoder, mean.reshape(1), sums, counts, graph_sums)
 
 
 def _compare(
-    candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divisors, mismatched, extra: float = 0.0
+    candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divided, mismatched, extra: float = 0.0
 ) -> float:
     """
     Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given; 0 for one
-    `mismatched` with the outputs), what the loss divided each fitting candidate's sum by in `divisors`, and the first
+    `mismatched` with the outputs), whether the loss is each fitting candidate's sum / `n` in `divided`, and the first
     candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing fitted or no
     count was given). `extra`, the router term of a MoE model, is added to every candidate's loss.
     """
     reference = loss.detach().double()
-    divided = []  # per candidate: whether the loss is its sum / count (given one), else whether it is its mean
     for k, candidate in enumerate(candidates):
         compared = compared_head(candidate)
         sums, counts = terms_of(compared)
@@ -377,9 +332,8 @@ def _compare(
         as_sum = n is not None and bool((sums.sum() / n + extra - reference).abs() <= bound)
         fits[0, k] = float(as_mean or as_sum)
         if as_sum or as_mean:
-            divided.append(as_sum)
-            divisors[k] = n if as_sum else float(counts.sum())
-    return float(all(divided)) if n is not None and divided else float("nan")
+            divided[k] = as_sum
+    return float(all(divided.values())) if n is not None and divided else float("nan")
 
 
 def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> float:
