@@ -19,27 +19,6 @@ __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHe
 _SEQUENCE_KEEPING_PROMPTS = frozenset({"PREFIX_TUNING", "CARTRIDGE"})
 
 
-def _head_by_class(model: nn.Module, sample_labels, smoothing: float) -> LossHead:
-    name = _class_name(model)
-    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    for family in HEAD_FAMILIES:
-        if name in family.classes and family.encoder_decoder in (None, encoder_decoder):
-            head = family.build(name, model, sample_labels, smoothing)
-            if smoothing and not (family.label_smoothing and head.smoothing == smoothing):
-                # Stock applies its LabelSmoother to whatever the logits are (a regression's, a DETR's: there it
-                # stops with "'list' object has no attribute 'dim'"), or skips it where the labels have other keys.
-                raise ValueError(
-                    f"label_smoothing_factor={smoothing} does not apply to {name}'s {head.name} loss: label smoothing "
-                    "is for a cross-entropy over classes (language models, token, sequence and single-label media "
-                    "classification, multiple choice). Set label_smoothing_factor=0 for this model."
-                )
-            return head
-    raise UnsupportedHead(
-        f"{name} is not a head hf_parallel knows (causal/seq2seq/masked/multimodal LM, token/sequence/image/video/"
-        "audio classification, multiple choice, question answering, CTC, semantic segmentation)."
-    )
-
-
 def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
     """
     The transformers model inside a PEFT wrapper (LoRA, IA3, prefix tuning, ...), and the adapter type when it
@@ -53,21 +32,13 @@ def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
     return model.get_base_model(), peft_type if virtual else None
 
 
-def _returns_router_logits(config) -> bool:
-    text = text_config(config)
-    return bool(getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
-
-
 def _class_name(model: nn.Module) -> str:
     """The model's class name; under FSDP2, that of the class `fully_shard` derived `FSDP<Name>` from."""
-    cls = type(model)
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch build without distributed support
-        return cls.__name__
-    if issubclass(cls, FSDPModule):
-        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
-    return cls.__name__
+    except ImportError:  # a torch build without distributed support: no class derived by FSDP2
+        FSDPModule = ()
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
 
 
 def counting_head(shift: bool) -> LossHead:
@@ -108,8 +79,24 @@ def resolve_head(
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedHead(f"{name} has no `config`: not a transformers model with a known head.")
-    head = _head_by_class(model, sample_labels, label_smoothing)
-    if head.shift and _returns_router_logits(config):
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    families = (f for f in HEAD_FAMILIES if name in f.classes and f.encoder_decoder in (None, encoder_decoder))
+    family = next(families, None)
+    if family is None:
+        raise UnsupportedHead(
+            f"{name} is not a head hf_parallel knows (causal/seq2seq/masked/multimodal LM, token/sequence/image/video/"
+            "audio classification, multiple choice, question answering, CTC, semantic segmentation)."
+        )
+    head = family.build(name, model, sample_labels, label_smoothing)
+    if label_smoothing and not (family.label_smoothing and head.smoothing == label_smoothing):
+        # Stock applies its LabelSmoother to whatever the logits are (a regression's, a DETR's: there it stops with
+        # "'list' object has no attribute 'dim'"), or skips it where the labels have other keys.
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} does not apply to {name}'s {head.name} loss: label smoothing "
+            "is for a cross-entropy over classes (language models, token, sequence and single-label media "
+            "classification, multiple choice). Set label_smoothing_factor=0 for this model."
+        )
+    if head.shift and any(getattr(c, "output_router_logits", False) for c in (config, text_config(config))):
         # A MoE LM adds its router's load-balancing loss to the cross-entropy. One whose sizes cannot be read (or that
         # adds none: several return their router logits only) keeps the plain head, and the check judges it.
         head.router = router_balance_of(model)
