@@ -115,20 +115,19 @@ def decide(votes: Votes) -> Verdict:
     """Decide from the `votes` of every replica and rank (every rank then decides the same)."""
     seen = max(float(votes.seen), 1.0)
     model_value, head_value = float(votes.losses[0]) / seen, float(votes.losses[1]) / seen
-    differs = float(votes.other_decoder) > 0
     honoured, ignored = float(votes.honoured), float(votes.ignored)
     native = honoured > 0 and ignored == 0
-    if float(votes.compared) == 0:
-        no_logits = float(votes.fit.sum() + votes.miss.sum()) == 0  # no candidate compared on any replica
-        if no_logits and honoured + ignored > 0 and float(votes.seen) > 0:
-            # No logits to compare (a fused loss), but its gradient told: the model's own loss, or none exact.
-            return Verdict(0 if native else None, True, model_value, head_value, differs, native)
+    no_logits = float(votes.fit.sum() + votes.miss.sum()) == 0  # no candidate compared on any replica
+    if float(votes.compared) > 0:
+        fitting = [k for k in range(len(votes.fit)) if votes.miss[k] == 0 and votes.fit[k] > 0]
+        index, final = (fitting[0], len(fitting) == 1) if fitting else (None, True)
+    elif no_logits and honoured + ignored > 0 and float(votes.seen) > 0:
+        # No logits to compare (a fused loss), but its gradient told: the model's own loss, or none exact.
+        index, final = 0 if native else None, True
+    else:
         # Some candidate had no items to compare (the other shift of a one-target batch): ask the next forward.
-        return Verdict(0, False, model_value, head_value, differs)
-    fitting = [k for k in range(len(votes.fit)) if votes.miss[k] == 0 and votes.fit[k] > 0]
-    if not fitting:
-        return Verdict(None, True, model_value, head_value, differs)
-    return Verdict(fitting[0], len(fitting) == 1, model_value, head_value, differs, native)
+        index, final = 0, False
+    return Verdict(index, final, model_value, head_value, float(votes.other_decoder) > 0, native)
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,7 @@ class ModelLossCheck:
     """
 
     def __init__(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.reduce_sum = reduce_sum
+        self.reduce_sum = reduce_sum or (lambda flat: flat)  # one process: its votes are every rank's
         self._checks: dict[tuple, int] = {}  # per model key: the forwards that checked it; -1 once decided
         self._decoder_watch: DecoderInputsWatch | None = None
         self._mismatches: list[str] = []  # why a candidate could not be computed, in the checked forward under way
@@ -173,11 +172,9 @@ class ModelLossCheck:
         labels), or None: decided already, no head, a user loss (its own judge), or padding rows the model's loss
         would count (a cross-entropy's padding targets are masked, any other head's are not).
         """
-        if head is None or head.route is Route.USER_LOSS:
+        if head is None or head.route is Route.USER_LOSS or self._checks.get(key, 0) < 0:
             return None
-        if REAL_ROWS_KEY in inputs and not head.ignore_index_items:
-            return None
-        return candidate_heads(head) if self._checks.get(key, 0) >= 0 else None
+        return None if REAL_ROWS_KEY in inputs and not head.ignore_index_items else candidate_heads(head)
 
     def decided(self, key: tuple) -> bool:
         """Whether the check of the model of `key` is decided (or never started)."""
@@ -195,10 +192,8 @@ class ModelLossCheck:
         Around the checked forward of `inputs` (None: no check, nothing to do): records the decoder inputs the model
         (unwrapped) builds itself, for `decoder_vote` to compare with those built from the labels.
         """
-        watch = None
-        if candidates is not None and needs_decoder_inputs(candidates[0], inputs):
-            watch = watch_decoder(model)
-        self._decoder_watch = watch
+        watching = candidates is not None and needs_decoder_inputs(candidates[0], inputs)
+        self._decoder_watch = watch = watch_decoder(model) if watching else None
         try:
             yield watch
         finally:
@@ -213,16 +208,13 @@ class ModelLossCheck:
 
     def settle(self, candidates: tuple[LossHead, ...], key: tuple, name: str, check: ReplicaCheck) -> Settlement:
         """Decide from `check`, gathered from every replica of this process, for the model `name` of `key`."""
-        votes = Votes.of(check)
-        verdict = decide(votes.summed(self.reduce_sum) if self.reduce_sum is not None else votes)
+        verdict = decide(Votes.of(check).summed(self.reduce_sum))
         mismatches, self._mismatches = self._mismatches, []
         checks = self._checks.get(key, 0) + 1
         self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
         if verdict.index is None:
             return Settlement(None, None, changed=True, fallback=_mismatch(name, candidates, verdict, mismatches))
-        warning = None
-        if not verdict.final and checks >= MAX_CHECKS:
-            warning = _undecided(name, candidates, verdict, checks)
+        warning = _undecided(name, candidates, verdict, checks) if not verdict.final and checks >= MAX_CHECKS else None
         head, why = candidates[verdict.index], "own loss is that of"
         if verdict.decoder_differs and head.builds_decoder_inputs:
             # This micro-batch is right already: its forward had the labels, its terms come from its own logits.
@@ -230,8 +222,7 @@ class ModelLossCheck:
         if verdict.honours_count and verdict.final:
             # Its loss divides by the count it is given: from now on it gets its labels and the step's count.
             head, why = routed(head, Route.MODEL_LOSS), "own loss honours num_items_in_batch; it is"
-        changed = head is not candidates[0]
-        return Settlement(head, verdict.index, changed=changed, warning=warning, why=why)
+        return Settlement(head, verdict.index, changed=head is not candidates[0], warning=warning, why=why)
 
 
 def _names(candidates: tuple[LossHead, ...]) -> str:
