@@ -14,16 +14,14 @@ every replica and rank.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .compare import ReplicaCheck, probe_count, replica_check, takes_gradient_from_loss
+from .compare import probe_count, replica_check, takes_gradient_from_loss
 from .heads import HeadMismatch, LossHead, Route
 from .heads.base import sequence_length
 from .terms import Terms, batch_device
 
-__all__ = ["CheckedForward", "check_terms"]
+__all__ = ["CheckedForward"]
 
 
 class CheckedForward:
@@ -41,14 +39,14 @@ class CheckedForward:
         self.plain, self.candidates, self.probe = plain, candidates, probe
 
     def __call__(self, run, inputs: dict, labels: dict):
-        plain = self.plain
-        head = plain.head
-        count = None
+        plain, candidates = self.plain, self.candidates
+        head, jury = plain.head, plain.exact.check  # the votes and verdict of the check (`ModelLossCheck`)
+        probe = None  # the count given where the model's loss may divide by it (its own route gives the step's)
         if self.probe and head.route is not Route.MODEL_LOSS:
             targets = plain.targets(labels)
             items = head.count(targets, sequence_length(inputs, plain.context.main_input_name)).sum()
-            count = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(torch.is_grad_enabled())
-        outputs, labels, count = plain.forward(run, inputs, labels, count=count, with_labels=True)
+            probe = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(torch.is_grad_enabled())
+        outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
         # The gradient from the model's own loss, where the head's is recomputed (not read off the model's loss).
         from_loss = (
             not plain.from_model_loss(outputs, count)
@@ -59,28 +57,15 @@ class CheckedForward:
             terms = plain.terms(outputs, labels, inputs, count, without_grad=from_loss)
         except HeadMismatch:
             terms = Terms()  # the check rules the head out (`replica_check`)
-        given = count if self.probe and head.route is not Route.MODEL_LOSS else None
-        check = check_terms(plain, self.candidates, outputs, labels, inputs, terms, given, from_loss)
+
+        # What the forward says of the candidates (`replica_check`; in a DataParallel replica: for its rows), `terms`
+        # holding the first candidate's; the others computed without autograd `from_loss`.
+        def terms_of(candidate: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
+            return plain.sample_terms(candidate, outputs, labels, inputs)
+
+        known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
+        # The model's loss adds its router term on these rows: so does every candidate's.
+        router = candidates[0].router.loss(terms.router.detach().sum(0)) if terms.router is not None else None
+        vote = jury.decoder_vote(labels)
+        check = replica_check(candidates, outputs, terms_of, known, probe, from_loss, vote, jury.note_mismatch, router)
         return terms._replace(check=check), plain.kept(outputs)
-
-
-def check_terms(plain, candidates, outputs, labels, inputs, terms: Terms, count=None, from_loss=False) -> ReplicaCheck:
-    """
-    In a checked forward (in a DataParallel replica: for its rows), what it says of `candidates` (`replica_check`),
-    `terms` holding the first candidate's; the others computed without autograd `from_loss` (see
-    `takes_gradient_from_loss`).
-    """
-
-    exact = plain.exact
-
-    def terms_of(head: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad() if from_loss else contextlib.nullcontext():
-            return plain.sample_terms(head, outputs, labels, inputs)
-
-    known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
-    decoder = exact.check.decoder_vote(labels)
-    # The model's loss adds its router term on these rows: so does every candidate's.
-    router = candidates[0].router.loss(terms.router.detach().sum(0)) if terms.router is not None else None
-    return replica_check(
-        candidates, outputs, terms_of, known, count, from_loss, decoder, exact.check.note_mismatch, router
-    )

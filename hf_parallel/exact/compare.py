@@ -20,6 +20,7 @@ check = replica_check(candidates, outputs, sample_terms)  # a ReplicaCheck, [1, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -97,8 +98,8 @@ def accepts_item_count(model: nn.Module) -> bool:
     flag = getattr(inner, "accepts_loss_kwargs", None)
     if isinstance(flag, bool):
         return flag
-    forward = inner.forward  # an instance's own forward first (Liger patches the instance), else its class's
-    return _takes_count(getattr(forward, "__func__", forward))
+    # An instance's own forward first (Liger patches the instance), else its class's.
+    return _takes_count(getattr(inner.forward, "__func__", inner.forward))
 
 
 @functools.lru_cache(maxsize=256)
@@ -233,7 +234,7 @@ def replica_check(
         known (`dict`, *optional*): terms computed already, by their head.
         count (`torch.Tensor`, *optional*): the `num_items_in_batch` the model was given (no whole number).
         gradient_from_loss (`bool`, *optional*): whether S_k is the model's own loss times what it divided by (the
-            candidates' terms were computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
+            candidates' terms are then computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
         decoder (`torch.Tensor`, *optional*): `[1, 1]`, whether the model built the decoder inputs the labels give.
         on_mismatch (`Callable`, *optional*): told why a candidate could not be computed from these outputs
             (`HeadMismatch`: it then does not fit).
@@ -250,7 +251,8 @@ def replica_check(
     def terms_of(head: LossHead) -> SampleTerms:
         if head not in computed:
             try:
-                computed[head] = sample_terms(head)
+                with torch.no_grad() if gradient_from_loss else contextlib.nullcontext():
+                    computed[head] = sample_terms(head)
             except HeadMismatch as mismatch:
                 # Its loss cannot be computed from these outputs: it does not fit (zeros only stand in for its terms).
                 mismatched.add(head)
