@@ -191,10 +191,7 @@ def stock_compute_loss(
     if watched.reads > before:
         return result  # S_r / C: stock's factor makes it exact
     # The rank's own mean: DDP (FSDP, ZeRO) averaging over the ranks already gives the mean over all of them.
-    if return_outputs:
-        loss, outputs = result
-        return loss / factor, outputs
-    return result / factor
+    return (result[0] / factor, result[1]) if return_outputs else result / factor
 
 
 class _ScaledIfRead:
