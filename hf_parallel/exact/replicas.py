@@ -65,7 +65,6 @@ __all__ = [
     "replica_autocast",
     "replica_precision",
     "replica_step",
-    "replicating",
     "run_in_replicas",
     "takes_use_cache",
     "without_cache",
@@ -107,35 +106,23 @@ def gathering_as_torch(forward: Callable) -> Callable:
 class Reporting:
     """
     How the replicas of a wrapper with a forward of its own (`gathers_as_torch` is False) send their results: each
-    keeps `kept(result)` in `results` (the lock guards replica threads) and hands the wrapper `shown(result)`, to
-    gather as it gathers model outputs. After the call, `merged(gathered, returned)` makes the result of
-    `run_in_replicas` from the kept results, gathered on the output device (None where no replica ran: the wrapper's
-    forward did not call its `module`), and from what the wrapper returned. Subclasses change the three; by default
-    a replica keeps all of its result and hands the wrapper an empty dict, and the result is the kept one, gathered.
+    keeps its result in `results` (the lock guards replica threads) and hands the wrapper an empty dict, to gather as
+    it gathers model outputs. With `pairs`, a replica's result is `(kept, shown)`: it keeps `kept` and hands the
+    wrapper `shown` (an empty dict for None), and `run_in_replicas` returns the kept results, gathered on the output
+    device, with what the wrapper returned. Where no replica ran (the wrapper's forward did not call its `module`),
+    `run_in_replicas` returns `fallback(returned)`, and raises without a `fallback`.
     """
 
-    def __init__(self):
+    def __init__(self, pairs: bool = False, fallback: Callable[[Any], Any] | None = None):
         self.results: list[Any] = []
+        self.pairs, self.fallback = pairs, fallback
         self._lock = threading.Lock()
 
     def report(self, result: Any) -> Any:
+        kept, shown = result if self.pairs else (result, None)
         with self._lock:
-            self.results.append(self.kept(result))
-        return self.shown(result)
-
-    def kept(self, result: Any) -> Any:
-        return result
-
-    def shown(self, result: Any) -> Any:
-        return {}
-
-    def merged(self, gathered: Any, returned: Any) -> Any:
-        if gathered is None:
-            raise RuntimeError(
-                "The DataParallel wrapper's forward did not call its `module`, so no replica ran hf_parallel's step. "
-                "Call self.module (or replicas of it) in the forward, or set exact_loss=False."
-            )
-        return gathered
+            self.results.append(kept)
+        return shown if shown is not None else {}
 
 
 def gather_reports(results: list[Any], device: torch.device | None) -> Any:
@@ -244,13 +231,6 @@ def replica_autocast(mixed_precision: str | None) -> torch.dtype | None:
     return AUTOCAST_DTYPES.get(str(mixed_precision))
 
 
-@contextlib.contextmanager
-def replicating(wrapper: nn.DataParallel, step: ReplicaStep) -> Iterator[None]:
-    """Within the block, `wrapper` replicates `step` (around its model) instead of the model itself."""
-    with temporarily(wrapper, "module", step):
-        yield
-
-
 def caller_autocast() -> torch.dtype | None:
     """The dtype of the autocast the caller runs under (CUDA's, else the CPU's), where a replica can take it; None."""
     for device_type in ("cuda", "cpu"):
@@ -288,7 +268,7 @@ def replica_precision(wrapper: nn.DataParallel, autocast_dtype: torch.dtype) -> 
                 f"{type(wrapper).__name__} takes keyword inputs under mixed precision; got {len(args)} "
                 "positional ones. Pass the batch as keywords: model(**inputs)."
             )
-        with replicating(wrapper, replica_step(wrapper, _model_forward, (), autocast_dtype)):
+        with temporarily(wrapper, "module", replica_step(wrapper, _model_forward, (), autocast_dtype)):
             return type(wrapper).forward(wrapper, **kwargs)
 
     own = wrapper.__dict__.get("forward")  # an instance's own forward (rare), put back after the block
@@ -337,23 +317,23 @@ def run_in_replicas(
     overlap = set(inputs) & set(labels)
     if overlap:
         raise ValueError(f"Keys {sorted(overlap)} are both model inputs and labels; pass each once.")
-    if gathers_as_torch(wrapper):
-        with replicating(wrapper, replica_step(wrapper, step, tuple(labels), autocast_dtype)):
-            return wrapper(**inputs, **labels)
-    reporting = reporting if reporting is not None else Reporting()
-    with replicating(wrapper, replica_step(wrapper, step, tuple(labels), autocast_dtype, reporting)):
+    # The wrapper replicates the step (around its model) instead of the model itself, for this call.
+    reporting = None if gathers_as_torch(wrapper) else reporting or Reporting()
+    with temporarily(wrapper, "module", replica_step(wrapper, step, tuple(labels), autocast_dtype, reporting)):
         returned = wrapper(**inputs, **labels)
+    if reporting is None:
+        return returned
     if not reporting.results:
-        return reporting.merged(None, returned)
-    return reporting.merged(gather_reports(reporting.results, _output_device(wrapper)), returned)
-
-
-def _output_device(wrapper: nn.DataParallel) -> torch.device | None:
-    """Where torch's forward would gather: the wrapper's output device; None without devices (where the first result
-    is)."""
-    if not wrapper.device_ids:
-        return None
-    return torch.device(wrapper.src_device_obj.type, wrapper.output_device)
+        if reporting.fallback is None:
+            raise RuntimeError(
+                "The DataParallel wrapper's forward did not call its `module`, so no replica ran hf_parallel's step. "
+                "Call self.module (or replicas of it) in the forward, or set exact_loss=False."
+            )
+        return reporting.fallback(returned)
+    # Where torch's forward would gather: the wrapper's output device; without devices, where the first result is.
+    device = torch.device(wrapper.src_device_obj.type, wrapper.output_device) if wrapper.device_ids else None
+    gathered = gather_reports(reporting.results, device)
+    return (gathered, returned) if reporting.pairs else gathered
 
 
 def without_cache(outputs: Any) -> Any:
@@ -395,52 +375,27 @@ def forward_in_replicas(exact, wrapper: nn.DataParallel, run, inputs: dict, labe
     `wrapper` (`run_in_replicas`): the gathered `Terms` and the outputs it keeps.
     """
     if not gathers_as_torch(wrapper):
-        # A forward of its own splits the batch as it likes: only the tensors of the batch go in, as under stock.
-        report = _ReplicasReport(exact, run, inputs, labels, keep)
-        return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype, report)
+        # A forward of its own splits the batch as it likes: only the tensors of the batch go in, as under stock. Its
+        # replicas send their `Terms` past the wrapper's gather, which may not keep a NamedTuple's type; the wrapper
+        # gathers only what it gathers under stock: the model's outputs where they are kept (and from there they are
+        # taken, in the wrapper's order), an empty dict otherwise.
+        def fallback(returned: Any) -> tuple[Any, Any]:
+            # A forward that never calls its `module` returns the model's outputs on the whole batch, given its
+            # labels: the terms are computed from them, where they were gathered (exact, at the cost of the whole
+            # batch's outputs there), warned once.
+            checked = run.plain is not run  # a checked forward around the plain one
+            exact.warn_once(
+                "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas "
+                "cannot compute their own loss terms; the loss is computed from the outputs the wrapper gathered "
+                "(exact, but the whole batch's logits are gathered on the first device)."
+                + (" The model's own loss is not checked against the head." if checked else "")
+            )
+            # `run.plain` calls the model: here, one already called.
+            return run.plain(lambda **_: returned, inputs, labels)
+
+        report = Reporting(pairs=True, fallback=fallback)
+        terms, outputs = run_in_replicas(wrapper, run, inputs, labels, autocast_dtype, report)
+        return terms, (outputs if keep else None)
     if not keep and "use_cache" not in inputs and takes_use_cache(wrapper.module):
         inputs = {**inputs, "use_cache": False}  # nothing reads a cache of a forward whose outputs are dropped
     return run_in_replicas(wrapper, run, inputs, labels, autocast_dtype)
-
-
-class _ReplicasReport(Reporting):
-    """
-    How the replicas of a DataParallel wrapper with a forward of its own (a subclass that splits and gathers as it
-    likes) send their `Terms`: to hf_parallel directly, past the wrapper's gather, which may not keep a NamedTuple's
-    type. The wrapper gathers only what it gathers under stock: the model's outputs where they are kept (and from
-    there they are taken, in the wrapper's order), an empty dict otherwise. A forward that never calls its `module`
-    returns the model's outputs on the whole batch, given its labels: the terms are computed from them, where they
-    were gathered (exact, at the cost of the whole batch's outputs there), warned once.
-    """
-
-    def __init__(self, exact, run, inputs: dict, labels: dict, keep: bool):
-        super().__init__()
-        self.exact, self.run, self.inputs, self.labels, self.keep = exact, run, inputs, labels, keep
-
-    def kept(self, result: tuple[Any, Any]) -> Any:
-        return result[0]
-
-    def shown(self, result: tuple[Any, Any]) -> Any:
-        return result[1] if result[1] is not None else {}
-
-    def merged(self, gathered: Any, returned: Any) -> tuple[Any, Any]:
-        if gathered is not None:
-            return gathered, (returned if self.keep else None)
-        checked = self.run.plain is not self.run  # a checked forward around the plain one
-        self.exact.warn_once(
-            "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas cannot "
-            "compute their own loss terms; the loss is computed from the outputs the wrapper gathered (exact, but the "
-            "whole batch's logits are gathered on the first device)."
-            + (" The model's own loss is not checked against the head." if checked else "")
-        )
-        return self.run.plain(_AlreadyCalled(returned), self.inputs, self.labels)
-
-
-class _AlreadyCalled:
-    """Stands for a model already called: returns `outputs` whatever it is given."""
-
-    def __init__(self, outputs: Any):
-        self.outputs = outputs
-
-    def __call__(self, **inputs: Any) -> Any:
-        return self.outputs
