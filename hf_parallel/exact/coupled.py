@@ -36,6 +36,8 @@ loss, _ = micro_batch_loss(exact, clip_model, head, batch, step, RunContext())  
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,35 +61,28 @@ class _Cache:
     """The first pass of a step under gradient accumulation: the gradient of the whole step's loss with respect to
     each micro-batch's embeddings and to the loss's parameters, the loss, and each micro-batch's random state."""
 
-    step: Any  # the StepCounts of `hf_parallel.exact.step`
-    batches: list[dict]
+    step: Any  # the StepCounts of `hf_parallel.exact.step`, whose `batches` these are
     gradients: list[tuple[torch.Tensor, torch.Tensor]]
     parameter_gradients: list[torch.Tensor]
     loss: torch.Tensor
     random_states: list[Any]
 
 
-class _Embed:
+def _embed(head: ContrastiveHead, check: bool, source: Any, run, inputs: dict, labels: dict):
     """One forward's two embeddings, and where `check`, the model's own loss on its rows and the loss recomputed from
     them (each `[1]`): run where the outputs are, in a DataParallel replica on its rows."""
-
-    def __init__(self, head: ContrastiveHead, check: bool, source: Any = None):
-        self.head, self.check, self.source = head, check, source
-
-    def __call__(self, run, inputs: dict, labels: dict):
-        outputs = run(**inputs, return_loss=self.check)
-        text, other = (outputs[key].float() for key in self.head.variant.keys)
-        nan = torch.full((1,), float("nan"), device=text.device)
-        own = recomputed = nan
-        if self.check:
-            loss = outputs.get("loss") if isinstance(outputs, dict) else None
-            if torch.is_tensor(loss) and loss.numel() == 1:
-                own = loss.float().reshape(1)
-                # In a replica, its own copies of the scale parameters (the replica itself, through `run`).
-                source = run if self.source is None else self.source
-                with torch.no_grad():
-                    recomputed = self.head.variant.loss(source, text, other).reshape(1)
-        return text, other, own, recomputed
+    outputs = run(**inputs, return_loss=check)
+    text, other = (outputs[key].float() for key in head.variant.keys)
+    own = recomputed = torch.full((1,), float("nan"), device=text.device)
+    if check:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if torch.is_tensor(loss) and loss.numel() == 1:
+            own = loss.float().reshape(1)
+            # In a replica, its own copies of the scale parameters (the replica itself, through `run`).
+            source = run if source is None else source
+            with torch.no_grad():
+                recomputed = head.variant.loss(source, text, other).reshape(1)
+    return text, other, own, recomputed
 
 
 def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dict, step, context, return_outputs):
@@ -98,13 +93,15 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
     the outputs (the two embeddings of this forward's rows) when `return_outputs`.
     """
     owner = model if context.owner is None else context.owner
-    key = exact.key(owner)
     source = exact.unwrap(owner)
-    state = exact.coupled.setdefault(key, {"checked": False, "cache": None})
+    state = exact.coupled.setdefault(exact.key(owner), {"checked": False, "cache": None})
     batch, real = _model_inputs(inputs)
     micro_batches = step.micro_batches if step is not None else 1
-    two_pass = step is not None and micro_batches > 1 and exact.contrastive_negatives == "step"
-    if step is not None and micro_batches > 1 and not two_pass:
+    if micro_batches > 1 and exact.contrastive_negatives == "step":
+        return _second_pass(
+            exact, model, owner, source, head, inputs, batch, real, step, context, state, return_outputs
+        )
+    if micro_batches > 1:
         exact.warn_once(
             f"exact_loss: contrastive_negatives='micro_batch': the {head.variant.name} loss of each micro-batch takes "
             f"only its own rows (over every device) as negatives, not those of the {micro_batches} micro-batches of "
@@ -112,31 +109,24 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
             "contrastive_negatives='step' (the default) makes them exact at the cost of one forward without gradient "
             "per micro-batch."
         )
-    if two_pass:
-        return _second_pass(
-            exact, model, owner, source, head, inputs, batch, real, step, context, state, return_outputs
-        )
     text, other, own, recomputed = _forward(exact, model, head, batch, context, not state["checked"], source)
     if not state["checked"] and not _verdict(exact, owner, head, own, recomputed, state):
         return own.mean() / micro_batches, _outputs(head, text, other, return_outputs)
     text, other = text[:real], other[:real]
     if step is None and exact.evaluation.running:
         # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
-        # fill the last batch dropped); every rank adds the same loss, once.
-        text_all, other_all = _gathered(exact, text.detach(), other.detach())
+        # fill the last batch dropped); every rank adds the same loss, once. By the caller's `gather_embeddings`,
+        # else every rank's rows as they are (padding cut).
+        gather = exact.evaluation.gather_embeddings
+        if gather is not None:
+            text_all, other_all = gather((text.detach(), other.detach()))
+        else:
+            text_all, other_all = (torch.cat(exact.engine.gather_rows(part.detach())) for part in (text, other))
         loss = head.variant.loss(source, text_all, other_all)
         exact.evaluation.add_loss(head, loss)
         return loss, _outputs(head, text, other, return_outputs)
     loss = head.variant.loss(source, *(_everyones(part, exact.engine) for part in (text, other)))
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
-
-
-def _gathered(exact, text: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's evaluation rows, each once: by the caller's `gather_embeddings`, else as they are (padding cut)."""
-    gather = exact.evaluation.gather_embeddings
-    if gather is not None:
-        return gather((text, other))
-    return torch.cat(exact.engine.gather_rows(text)), torch.cat(exact.engine.gather_rows(other))
 
 
 def _model_inputs(inputs: dict) -> tuple[dict, int | None]:
@@ -150,8 +140,8 @@ def _forward(exact, model, head, batch, context, check: bool, source) -> tuple[t
     """The two embeddings of `batch` (gathered from the replicas under DataParallel) and, where `check`, each
     replica's own loss and recomputed one."""
     if exact.engine.replicas:
-        return run_in_replicas(model, _Embed(head, check), batch, {}, context.autocast_dtype)
-    return _Embed(head, check, source)(model, batch, {})
+        return run_in_replicas(model, functools.partial(_embed, head, check, None), batch, {}, context.autocast_dtype)
+    return _embed(head, check, source, model, batch, {})
 
 
 def _verdict(exact, owner, head, own: torch.Tensor, recomputed: torch.Tensor, state: dict) -> bool:
@@ -161,9 +151,9 @@ def _verdict(exact, owner, head, own: torch.Tensor, recomputed: torch.Tensor, st
     """
     bound = tolerance(own.dtype) * own.detach().abs() + 1e-6
     misses = ((recomputed - own.detach()).abs() > bound) | own.isnan() | recomputed.isnan()
-    votes = torch.stack([misses.double().sum(), own.detach().double().nan_to_num(0).sum()])
-    votes = torch.cat([votes, recomputed.double().nan_to_num(0).sum().reshape(1), torch.ones(1, dtype=torch.float64)])
-    votes = exact.engine.add_counts(votes.to(own.device))  # over the engine's ranks
+    # The misses, the sums of the two losses, and one for this rank: added over the engine's ranks.
+    votes = [part.double().nan_to_num(0).sum() for part in (misses, own.detach(), recomputed)]
+    votes = exact.engine.add_counts(torch.stack([*votes, torch.ones((), dtype=torch.float64, device=own.device)]))
     state["checked"] = True
     if float(votes[0]) == 0:
         return True
@@ -224,12 +214,10 @@ def _set_random_state(state: tuple) -> None:
 def _index_in_step(batches: list[dict], inputs: dict) -> int:
     """Which of the step's micro-batches `inputs` is: the one holding the same tensors (or equal ones)."""
     tensors = [(key, value) for key, value in inputs.items() if torch.is_tensor(value) and key != "return_loss"]
-    for index, batch in enumerate(batches):
-        if all(batch.get(key) is value for key, value in tensors):
-            return index
-    for index, batch in enumerate(batches):
-        if all(_equal(batch.get(key), value) for key, value in tensors):
-            return index
+    for same in (operator.is_, _equal):
+        for index, batch in enumerate(batches):
+            if all(same(batch.get(key), value) for key, value in tensors):
+                return index
     raise ValueError(
         "contrastive loss: this micro-batch is not one of the step's counted micro-batches, so the step's first pass "
         "has no gradient for it. Pass the step's batches unchanged."
@@ -259,8 +247,7 @@ def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cac
         texts.append(text[:real])
         others.append(other[:real])
     _set_random_state(random_states[0])
-    text = torch.cat(texts).requires_grad_(True)
-    other = torch.cat(others).requires_grad_(True)
+    text, other = (torch.cat(parts).requires_grad_(True) for parts in (texts, others))
     parameters = [getattr(source, name) for name in head.variant.parameters]
     with torch.enable_grad():
         everyone = [_everyones(part, exact.engine) for part in (text, other)]
@@ -269,7 +256,7 @@ def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cac
         gradients = torch.autograd.grad(loss, [text, other, *parameters])
     sizes = [len(part) for part in texts]
     per_batch = list(zip(gradients[0].split(sizes), gradients[1].split(sizes), strict=True))
-    return _Cache(step, batches, per_batch, list(gradients[2:]), loss.detach(), random_states)
+    return _Cache(step, per_batch, list(gradients[2:]), loss.detach(), random_states)
 
 
 def _second_pass(exact, model, owner, source, head, inputs, batch, real, step, context, state, return_outputs):
@@ -281,7 +268,7 @@ def _second_pass(exact, model, owner, source, head, inputs, batch, real, step, c
         if cache is None:  # the check fell back: this micro-batch's own loss, as stock
             text, other, own, _ = _forward(exact, model, head, batch, context, True, source)
             return own.mean() / step.micro_batches, _outputs(head, text, other, return_outputs)
-    index = _index_in_step(cache.batches, inputs)
+    index = _index_in_step(step.batches, inputs)
     _set_random_state(cache.random_states[index])
     text, other, _, _ = _forward(exact, model, head, batch, context, False, source)
     text_gradient, other_gradient = cache.gradients[index]
@@ -290,6 +277,6 @@ def _second_pass(exact, model, owner, source, head, inputs, batch, real, step, c
         # The loss's own parameters: the whole gradient over the step, a 1/G share per micro-batch.
         surrogate = surrogate + (getattr(source, name) * gradient).sum() / step.micro_batches
     loss = surrogate - surrogate.detach() + cache.loss / step.micro_batches
-    if index == len(cache.batches) - 1:
+    if index == len(step.batches) - 1:
         state["cache"] = None
     return loss, _outputs(head, text, other, return_outputs)
