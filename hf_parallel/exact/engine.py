@@ -142,36 +142,24 @@ def pick_engine(
     if processes > 1 and reduce_sum is None:
         raise ValueError(f"An engine over {processes} processes needs reduce_sum to count the whole step.")
     if processes <= 1:
-        if data_parallel:
-            return Engine("DataParallel replicas", replicas=True)
-        return Engine("one process")
+        return Engine("DataParallel replicas", replicas=True) if data_parallel else Engine("one process")
+    ranks = {"reduce_sum": reduce_sum, "group": group}  # every engine over several processes counts through them
     if sequence_parallel > 1:
         # deepspeedai/DeepSpeed#8854 (in 0.20.2): ZeRO-3 adds the sequence-parallel ranks' gradients as ZeRO 1 and 2
         # do; before, it averaged them over every rank.
         averages_all = deepspeed_stage == 3 and (deepspeed_version or (0,)) < _ZERO3_ADDS_SP_FROM
         factor = processes if averages_all else processes // sequence_parallel
         name = f"DeepSpeed ZeRO-{deepspeed_stage} with Ulysses sequence parallelism x{sequence_parallel}"
-        return Engine(name, processes, factor, processes, shards_sequence=True, reduce_sum=reduce_sum, group=group)
+        return Engine(name, processes, factor, processes, shards_sequence=True, **ranks)
     if tensor_parallel > 1:
         if processes % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the {processes} processes.")
         data = processes // tensor_parallel
         name = f"tensor parallel x{tensor_parallel}" + (f" with {data} data-parallel ranks" if data > 1 else "")
-        return Engine(
-            name,
-            processes,
-            data,
-            data,
-            pads_epoch_end=True,
-            data_replicas=tensor_parallel,
-            reduce_sum=reduce_sum,
-            group=group,
-        )
+        return Engine(name, processes, data, data, pads_epoch_end=True, data_replicas=tensor_parallel, **ranks)
     if deepspeed_stage is not None:
         name = f"DeepSpeed ZeRO-{deepspeed_stage}"
-    return Engine(
-        name or "DDP", processes, processes, processes, pads_epoch_end=True, reduce_sum=reduce_sum, group=group
-    )
+    return Engine(name or "DDP", processes, processes, processes, pads_epoch_end=True, **ranks)
 
 
 _ZERO3_ADDS_SP_FROM = (0, 20, 2)

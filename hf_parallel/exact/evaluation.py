@@ -64,8 +64,7 @@ class Evaluation:
                 # One S and C per forward, duplicates masked before it (the caller marks them): added over ranks.
                 router = None
                 if terms.router is not None and head.route is Route.TRAINER_LOSS:  # a subclass's held back (TRL's)
-                    router = terms.router.detach().double().sum(0, keepdim=True)
-                    router = engine.add_counts(router) if engine.count_ranks > 1 else router
+                    router = engine.add_counts(terms.router.detach().double().sum(0, keepdim=True))
                 self.totals.add(head, *sum_over_ranks(row_sums.detach().sum(0), row_counts.sum(0), engine), router)
             elif engine.data_replicas > 1:
                 # The ranks of a tensor-parallel group hold the same rows: gathering them would keep each several

@@ -49,11 +49,8 @@ def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable
     yields the watch, or None. Outside a `checked` forward, a declared `stand_in` spares the model its own loss; in a
     checked one the model's loss runs within the declared `own_context`."""
     call = head.loss_call if head is not None else None
-    if call is None or head.route is Route.USER_LOSS:
-        yield None
-        return
-    model = unwrap(model)
-    if not hasattr(model, "loss_function"):
+    model = unwrap(model) if call is not None and head.route is not Route.USER_LOSS else None
+    if model is None or not hasattr(model, "loss_function"):
         yield None
         return
     instead = None if checked else call.stand_in
