@@ -31,6 +31,7 @@ which the loss given undoes. The rows a sampler repeats to fill the last batch o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,24 +109,22 @@ class ExactLoop:
                 raise ValueError("ExactLoop: pass an engine alone; it brings its own data-parallel group.")
             check_loop_engine(engine)
             process_group = engine.data_parallel_group
-        self.accelerator, self.engine = accelerator, engine
-        self.group = process_group
+        self.accelerator, self.engine, self.group = accelerator, engine, process_group
         if accelerator is not None:
-            processes = accelerator.num_processes if accelerator.distributed_type.value != "NO" else 1
+            self.num_processes = accelerator.num_processes if accelerator.distributed_type.value != "NO" else 1
             self.process_index = accelerator.process_index
-            reduce_sum = _accelerate_sum(accelerator)
+            reduce_sum = functools.partial(accelerator.reduce, reduction="sum")
             unwrap = accelerator.unwrap_model
         else:
             distributed = dist.is_available() and dist.is_initialized()
-            processes = dist.get_world_size(process_group) if distributed else 1
+            self.num_processes = dist.get_world_size(process_group) if distributed else 1
             self.process_index = dist.get_rank(process_group) if distributed else 0
             reduce_sum = self._all_reduce
             unwrap = unwrap_model
-        self.num_processes = processes
         self.exact = ExactLoss(
             label_names=label_names,
             label_smoothing=label_smoothing,
-            num_processes=processes,
+            num_processes=self.num_processes,
             reduce_sum=reduce_sum,
             # Padding rows are masked before the forward here, so the evaluation adds rows over ranks, all of them.
             gather_rows=lambda rows: sum_over_ranks(rows[0].sum(0), rows[1].sum(0), self.exact.engine),
@@ -236,9 +235,8 @@ class ExactLoop:
     def run_on(self, model: nn.Module) -> None:
         """The engine follows the model the loop is given: DataParallel replicas where it is an `nn.DataParallel`
         wrapper in one process, else one process or the loop's ranks (`hf_parallel.exact.engine`)."""
-        data_parallel = self.num_processes == 1 and is_data_parallel(model)
-        if data_parallel != self.exact.engine.replicas:
-            exact = self.exact
+        exact, data_parallel = self.exact, self.num_processes == 1 and is_data_parallel(model)
+        if data_parallel != exact.engine.replicas:
             exact.engine = pick_engine(
                 self.num_processes, reduce_sum=exact.reduce_sum, data_parallel=data_parallel, group=self.group
             )
@@ -266,7 +264,6 @@ class LoopStep:
         self.loop = loop
         self.batches = batches
         self._accumulation = accumulation
-        self._ends_epoch = end is not None
         self._done: list[torch.Tensor | None] = [None] * len(batches)
         self._counts: StepCounts | None = None
         self._end, self._padding = end, padding
@@ -291,7 +288,7 @@ class LoopStep:
         """
         accelerator, last = self.loop.accelerator, index == len(self.batches) - 1
         loader = accelerator.gradient_state.active_dataloader
-        if loader is not None and self._ends_epoch:
+        if loader is not None and self._end is not None:
             loader.end_of_dataloader = last
         # accumulate() adds one, then syncs where the count is a multiple of its accumulation steps.
         accelerator.step = accelerator.gradient_state.num_steps - 1 if last else index
@@ -306,11 +303,8 @@ class LoopStep:
         index = self._index_of(batch)
         loop, exact = self.loop, self.loop.exact
         head = exact.head(model, batch)
-        if self._counts is None and head is not None:
-            if not exact.labels_present(head, self.batches):
-                head = None
-            else:
-                self._counts = self._count(head, model)
+        if self._counts is None and exact.labels_present(head, self.batches):
+            self._counts = self._count(head, model)
         if head is None or self._counts is None:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
             value = _stock_loss(model(**batch)) / len(self.batches)
@@ -356,20 +350,14 @@ class LoopStep:
             )
         total = torch.stack([value.float().reshape(()) for value in self._done]).sum()
         loop = self.loop
-        if self._counts is None:  # stock: the mean over ranks of each rank's sum of micro-batch means / G
-            scale = loop.num_processes
-        else:
-            scale = self._counts.scale
+        # Stock: the mean over ranks of each rank's sum of micro-batch means / G.
+        scale = loop.num_processes if self._counts is None else self._counts.scale
         if loop.num_processes > 1:
             total = loop.exact.reduce_sum(total)
         return float(total) / scale
 
 
 # ---- Helpers ----
-def _accelerate_sum(accelerator):
-    return lambda tensor: accelerator.reduce(tensor, reduction="sum")
-
-
 def _stock_loss(outputs: Any) -> torch.Tensor:
     """
     The model's own loss, as stock's training step reads it: `outputs["loss"]` of a dict (a `ModelOutput` or a plain
