@@ -83,8 +83,7 @@ class Engine:
         sizes = [torch.zeros_like(rows) for _ in range(world)]
         dist.all_gather(sizes, rows, group=self.group)
         most = int(max(size.item() for size in sizes))
-        padded = tensor.new_zeros((most, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
+        padded = torch.cat([tensor, tensor.new_zeros((most - tensor.shape[0], *tensor.shape[1:]))])
         gathered = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(gathered, padded.contiguous(), group=self.group)
         return [part[: int(size.item())] for part, size in zip(gathered, sizes, strict=True)]

@@ -268,7 +268,8 @@ def replica_precision(wrapper: nn.DataParallel, autocast_dtype: torch.dtype) -> 
                 f"{type(wrapper).__name__} takes keyword inputs under mixed precision; got {len(args)} "
                 "positional ones. Pass the batch as keywords: model(**inputs)."
             )
-        with temporarily(wrapper, "module", replica_step(wrapper, _model_forward, (), autocast_dtype)):
+        step = replica_step(wrapper, lambda run, inputs, labels: run(**inputs), (), autocast_dtype)
+        with temporarily(wrapper, "module", step):
             return type(wrapper).forward(wrapper, **kwargs)
 
     own = wrapper.__dict__.get("forward")  # an instance's own forward (rare), put back after the block
@@ -280,10 +281,6 @@ def replica_precision(wrapper: nn.DataParallel, autocast_dtype: torch.dtype) -> 
             del wrapper.forward
         else:
             wrapper.forward = own
-
-
-def _model_forward(run: Callable[..., Any], inputs: dict, labels: dict) -> Any:
-    return run(**inputs)
 
 
 def run_in_replicas(
