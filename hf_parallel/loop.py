@@ -56,6 +56,7 @@ from .exact import (
     is_data_parallel,
     micro_batch_loss,
     pick_engine,
+    pull_batches,
     replica_autocast,
     sum_over_ranks,
 )
@@ -183,19 +184,12 @@ class ExactLoop:
     def _steps(self, dataloader, accumulation: int, device) -> Iterator[LoopStep]:
         padding = self._padding(dataloader, "the training dataloader")
         iterator = iter(dataloader)
+        gradient_state = self.accelerator.gradient_state if self.accelerator is not None else None
         while True:
-            batches, end = [], None
-            for _ in range(accumulation):
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    break
-                batches.append(_to_device(batch, device))
-                if self.accelerator is not None:
-                    end = epoch_end(self.accelerator.gradient_state) or end
+            batches, end = pull_batches(iterator, accumulation, gradient_state, reads_end=gradient_state is not None)
             if not batches:
                 return
-            yield LoopStep(self, batches, accumulation, end, padding)
+            yield LoopStep(self, [_to_device(batch, device) for batch in batches], accumulation, end, padding)
 
     # ---- Evaluation ----
     def evaluate(self, model: nn.Module, dataloader, device: torch.device | str | None = None) -> float:

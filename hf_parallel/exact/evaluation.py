@@ -69,9 +69,8 @@ class Evaluation:
             elif engine.data_replicas > 1:
                 # The ranks of a tensor-parallel group hold the same rows: gathering them would keep each several
                 # times, and cut an epoch's last batch by rows; each rank adds its own, padding rows masked before
-                # (the caller marks them), added over ranks once at the end (`finish`).
-                router = terms.router.detach() if terms.router is not None else None
-                self.totals.add(head, row_sums.detach(), row_counts, router)
+                # (the caller marks them), added over ranks once at the end (`finish`). `EvalTotals.add` detaches.
+                self.totals.add(head, row_sums, row_counts, terms.router)
             elif terms.router is None:
                 # Per-row terms, so that gathering drops the rows a distributed sampler duplicated.
                 self.totals.add(head, *self.gather_rows((row_sums.detach(), row_counts)))

@@ -137,8 +137,6 @@ def gather_reports(results: list[Any], device: torch.device | None) -> Any:
         target = device if device is not None else first.device
         moved = [result.to(target) for result in results]
         return torch.stack(moved) if first.dim() == 0 else torch.cat(moved)
-    if first is None:
-        return None
     if isinstance(first, dict):
         return type(first)(**{key: gather_reports([result[key] for result in results], device) for key in first})
     if isinstance(first, tuple) and hasattr(first, "_fields"):
