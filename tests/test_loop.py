@@ -455,6 +455,25 @@ def test_fused_loss_is_exact_without_logits():
     assert_equals_reference(result, ref, "fused GA 2 x 4")
 
 
+def test_evaluating_a_moe_model_gives_the_whole_set_s_loss_with_its_router_term():
+    """A MoE model's evaluation: cross-entropy and router term over the whole set, as its own loss on all the rows at
+    once (the loop's row adder took no router statistics: `ValueError: not enough values to unpack`)."""
+    from tests.helpers.moe import CASES
+
+    case = CASES["mixtral_moe"]
+    model, rows = case.build(0), case.rows(6, 1)
+    whole = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    with torch.no_grad():
+        expected = model.eval()(**whole).loss.item()
+        per_batch = [model(**batch).loss.item() for batch in DataLoader(rows, batch_size=4)]
+    model.train()
+    got = ExactLoop().evaluate(model, DataLoader(rows, batch_size=4))
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert model.training  # put back in the mode it was in
+    stock = sum(per_batch) / len(per_batch)  # a mean of the batches' means: the control, off
+    assert stock != pytest.approx(expected, rel=1e-3)
+
+
 # ---- examples/custom_loop.py, run for real ----
 
 EXAMPLE = ROOT / "examples" / "custom_loop.py"
