@@ -13,6 +13,7 @@ hf-parallel config --deepspeed 3 -o zero3.yaml   # DeepSpeed ZeRO-3 over the GPU
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import sys
 from pathlib import Path
@@ -58,11 +59,9 @@ def launch_commands(plan: LaunchPlan, config_path: str, script: str) -> list[str
     script_args = " --use_cpu" if plan.uses_cpu else ""
     config = shlex.quote(config_path)
     n = plan.settings["num_machines"]
-    if n == 1:
-        return [f"accelerate launch --config_file {config} {script}{script_args}"]
-    return [
-        f"accelerate launch --config_file {config} --machine_rank {rank} {script}{script_args}" for rank in range(n)
-    ]
+    # One machine needs no --machine_rank: the config's own (0) applies.
+    ranks = [""] if n == 1 else [f" --machine_rank {rank}" for rank in range(n)]
+    return [f"accelerate launch --config_file {config}{rank} {script}{script_args}" for rank in ranks]
 
 
 def write_config(text: str, output: str, overwrite: bool = False) -> Path:
@@ -103,17 +102,9 @@ def write_config(text: str, output: str, overwrite: bool = False) -> Path:
 
 
 def _run(args: argparse.Namespace) -> None:
-    plan = plan_config(
-        num_processes=args.num_processes,
-        num_machines=args.num_machines,
-        machine_rank=args.machine_rank,
-        main_process_ip=args.main_process_ip,
-        main_process_port=args.main_process_port,
-        cpu=args.cpu,
-        gpu_ids=args.gpu_ids,
-        mixed_precision=args.mixed_precision,
-        deepspeed=args.deepspeed,
-    )
+    # Every option named after a parameter of plan_config is that parameter (num_gpus is counted, not an option).
+    options = inspect.signature(plan_config).parameters.keys() & vars(args).keys()
+    plan = plan_config(**{name: getattr(args, name) for name in options})
     text = render_config(plan)
     if args.output == "-":
         sys.stdout.write(text)

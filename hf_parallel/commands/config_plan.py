@@ -166,11 +166,9 @@ def _processes_per_machine(num_processes: int | None, uses_cpu: bool, available:
     check_whole_number("--num-processes", num_processes, 1)
     if not uses_cpu and num_processes > available:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = (
-            f"--gpu-ids {gpu_ids}"
-            if gpu_ids is not None
-            else ("CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible}")
-        )
+        where = "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible}"
+        if gpu_ids is not None:
+            where = f"--gpu-ids {gpu_ids}"
         raise ValueError(
             f"--num-processes {num_processes} is more than the {available} GPUs available here ({where}); DDP runs "
             f"one process per GPU. Use --num-processes {available} or fewer, or --cpu for CPU processes."
@@ -189,27 +187,6 @@ def _check_deepspeed(deepspeed: int | None, uses_cpu: bool, cpu: bool) -> None:
             "accelerate launches DeepSpeed with one process per GPU. Write the config on a GPU machine, or copy "
             f"hf_parallel/configs/deepspeed_zero{deepspeed}.yaml and set its num_processes."
         )
-
-
-def _settings(base: str, total: int, uses_cpu: bool, ids: list[int] | None, **values) -> dict:
-    """The shipped config `base` with the planned values written over it."""
-    settings = shipped_config(base)
-    if base in DEEPSPEED_CONFIGS:
-        # DeepSpeed runs one process too; several machines start through torchrun, as DDP's do, not pdsh.
-        settings.update(use_cpu=False, num_processes=total)
-        if values["num_machines"] > 1:
-            settings["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
-    else:
-        # accelerate starts several processes only for the MULTI_GPU type; one process in all needs none.
-        settings.update(distributed_type="MULTI_GPU" if total > 1 else "NO", use_cpu=uses_cpu, num_processes=total)
-    settings.update(values)
-    if values["num_machines"] == 1:
-        settings.pop("main_process_ip", None)
-    if uses_cpu:
-        settings.pop("gpu_ids", None)
-    else:
-        settings["gpu_ids"] = ",".join(map(str, ids)) if ids is not None else "all"
-    return settings
 
 
 def plan_config(
@@ -278,10 +255,22 @@ def plan_config(
 
     base = "cpu_ddp" if uses_cpu else ("multi_node" if num_machines > 1 else "multi_gpu")
     base = f"deepspeed_zero{deepspeed}" if deepspeed is not None else base
-    machines = dict(num_machines=num_machines, machine_rank=machine_rank, main_process_port=port)
+    # The shipped config with the planned values written over it; the keys a base lacks come last.
+    settings = shipped_config(base)
+    total = per_machine * num_machines
+    if deepspeed is None:
+        # accelerate starts several processes only for the MULTI_GPU type; one process in all needs none.
+        settings["distributed_type"] = "MULTI_GPU" if total > 1 else "NO"
+    elif num_machines > 1:
+        # DeepSpeed runs one process too; several machines start through torchrun, as DDP's do, not pdsh.
+        settings["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+    settings.update(use_cpu=uses_cpu, num_processes=total, num_machines=num_machines, machine_rank=machine_rank)
+    settings.update(main_process_port=port, mixed_precision=mixed_precision)
     if num_machines > 1:
-        machines["main_process_ip"] = main_process_ip
-    settings = _settings(base, per_machine * num_machines, uses_cpu, ids, **machines, mixed_precision=mixed_precision)
+        settings["main_process_ip"] = main_process_ip
+    if not uses_cpu:
+        # The CPU base (the only one with uses_cpu: DeepSpeed refuses it) has no gpu_ids.
+        settings["gpu_ids"] = ",".join(map(str, ids)) if ids is not None else "all"
     return LaunchPlan(
         settings=settings, base=base, processes_per_machine=per_machine, uses_cpu=uses_cpu, zero_stage=deepspeed
     )
