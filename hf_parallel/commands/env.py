@@ -22,6 +22,8 @@ from .gpus import torch_gpu_count
 __all__ = ["add_parser", "env_report", "trainer_mode"]
 
 REPORTED_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors")
+# The torch.distributed backends reported, each with its `torch.distributed.is_<name>_available()`.
+BACKENDS = ("nccl", "gloo", "mpi")
 
 
 def trainer_mode(
@@ -75,11 +77,8 @@ def trainer_mode(
 def _gpu_lines(num_gpus: int) -> list[str]:
     import torch
 
-    lines = []
-    for i in range(num_gpus):
-        props = torch.cuda.get_device_properties(i)
-        lines.append(f"  cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
-    return lines
+    gpus = map(torch.cuda.get_device_properties, range(num_gpus))
+    return [f"  cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB" for i, props in enumerate(gpus)]
 
 
 def _version(package: str) -> str:
@@ -109,12 +108,8 @@ def _devices(num_gpus: int) -> list[str]:
 
     lines = [f"GPUs visible: {num_gpus}", *_gpu_lines(num_gpus)]
     lines.append(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset: all GPUs)')}")
-    backends = {
-        "nccl": dist.is_available() and dist.is_nccl_available(),
-        "gloo": dist.is_available() and dist.is_gloo_available(),
-        "mpi": dist.is_available() and dist.is_mpi_available(),
-    }
-    found = ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in backends.items())
+    available = {name: dist.is_available() and getattr(dist, f"is_{name}_available")() for name in BACKENDS}
+    found = ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in available.items())
     lines.append(f"torch.distributed backends: {found}")
     return lines
 

@@ -114,30 +114,21 @@ def visible_gpu_count(visible: list[int] | list[str] | None, count: int, uuids: 
     return len(resolved)
 
 
-def _nvidia_smi_gpus() -> tuple[int, list[str] | None] | None:
-    """The GPUs `nvidia-smi -L` lists and their UUIDs; None without nvidia-smi, `(-1, None)` when it fails."""
+def _driver_gpus() -> tuple[int, list[str] | None] | None:
+    """
+    The NVIDIA driver's GPUs and their UUIDs (when known): those `nvidia-smi -L` lists, else the entries of
+    `PROC_GPUS`; None when there is no NVIDIA driver, `(-1, None)` when nvidia-smi fails.
+    """
     executable = shutil.which("nvidia-smi")
     if executable is None:
-        return None
+        return (sum(1 for _ in PROC_GPUS.iterdir()), None) if PROC_GPUS.is_dir() else None
     try:
-        result = subprocess.run([executable, "-L"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return -1, None
-    if result.returncode != 0:
+        result = subprocess.run([executable, "-L"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):  # not runnable, a timeout, or a non-zero exit status
         return -1, None
     matches = [m for m in map(_SMI_GPU_LINE.match, result.stdout.splitlines()) if m]
     uuids = [m.group(1) for m in matches]
     return len(matches), (uuids if all(uuids) else None)
-
-
-def _driver_gpus() -> tuple[int, list[str] | None] | None:
-    """The NVIDIA driver's GPUs (count, UUIDs if known); None when there is no NVIDIA driver, -1 when it fails."""
-    listed = _nvidia_smi_gpus()
-    if listed is not None:
-        return listed
-    if PROC_GPUS.is_dir():
-        return sum(1 for _ in PROC_GPUS.iterdir()), None
-    return None
 
 
 def count_gpus(environ: Mapping[str, str] | None = None) -> int:
