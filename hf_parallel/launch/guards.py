@@ -42,10 +42,10 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-_NOT_RECORDED = object()
-# CUDA_VISIBLE_DEVICES as this process had it when hf_parallel was imported, and when CUDA initialised.
-_visible_devices_at_import: str | None = os.environ.get("CUDA_VISIBLE_DEVICES")
-_visible_devices_at_cuda_init: object = _NOT_RECORDED
+# CUDA_VISIBLE_DEVICES as this process had it when CUDA initialised. Until that is recorded, the value when
+# hf_parallel was imported stands in: the best record there is when CUDA was initialised before that import, or
+# with a torch that drops the private helper below.
+_visible_devices_at_cuda_init: str | None = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def _record_visible_devices_at_cuda_init() -> None:
@@ -54,24 +54,16 @@ def _record_visible_devices_at_cuda_init() -> None:
     _visible_devices_at_cuda_init = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-if torch.cuda.is_initialized():
-    # CUDA was initialised before hf_parallel was imported: the value now is the best record there is.
-    _visible_devices_at_cuda_init = _visible_devices_at_import
-elif hasattr(torch.cuda, "_lazy_call"):
+if hasattr(torch.cuda, "_lazy_call"):
     # torch runs the queued calls of `_lazy_call` once, when CUDA initialises (in `torch.cuda._lazy_init`), which
-    # records the value the driver actually used. Without it (a torch that drops the private helper) the value at
-    # import stands in.
+    # records the value the driver actually used; at once when CUDA is initialised already, which records the value
+    # at import.
     torch.cuda._lazy_call(_record_visible_devices_at_cuda_init)
 
 
 def _no_device_backend() -> bool:
     """True when this machine has no accelerator that accelerate would form a process group over."""
-    if torch.cuda.is_available():
-        return False
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return not accelerator.is_available()
-    return True
+    return not (torch.cuda.is_available() or torch.accelerator.is_available())
 
 
 def check_world_size(args) -> None:
@@ -173,8 +165,6 @@ def check_visible_devices() -> None:
         # Not read yet: whatever it says now is what CUDA will use.
         return
     seen = _visible_devices_at_cuda_init
-    if seen is _NOT_RECORDED:
-        seen = _visible_devices_at_import
     now = os.environ.get("CUDA_VISIBLE_DEVICES")
     if now == seen:
         return
@@ -338,11 +328,9 @@ def check_not_empty(dataset, name: str) -> None:
     check_not_empty([], "train_dataset")  # ValueError: train_dataset is empty ...
     ```
     """
-    if dataset is None or not hasattr(dataset, "__len__"):
-        return
     try:
         length = len(dataset)
-    except TypeError:  # accelerate's IterableDatasetShard around a dataset without a length
+    except TypeError:  # None, a dataset without a length, or accelerate's IterableDatasetShard around one
         return
     if length == 0:
         # Training: stock's words first (its sampler's), as code written against stock matches them.

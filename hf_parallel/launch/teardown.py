@@ -43,17 +43,6 @@ def track_trainer(trainer) -> None:
         _registered = True
 
 
-def _drop_wrappers(trainer) -> None:
-    # The DDP wrapper is held by the Trainer (model_wrapped) and by accelerate's list of prepared models, which
-    # `Accelerator.free_memory` empties. It also forgets the prepared optimizers, schedulers and dataloaders (the
-    # Trainer still holds its own), resets the accumulation count, destroys a DeepSpeed engine and runs
-    # `gc.collect()` and the device's `empty_cache()`: all fine for a run that is over, as no collective can follow.
-    trainer.model_wrapped = trainer.model
-    accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is not None:
-        accelerator.free_memory()
-
-
 def release_distributed() -> None:
     """
     Release the DDP wrappers of every tracked Trainer, free them while the interpreter is whole, and destroy the
@@ -68,7 +57,13 @@ def release_distributed() -> None:
     ```
     """
     for trainer in list(_trainers):
-        _drop_wrappers(trainer)
+        # The DDP wrapper is held by the Trainer (model_wrapped) and by accelerate's list of prepared models, which
+        # `Accelerator.free_memory` empties. It also forgets the prepared optimizers, schedulers and dataloaders (the
+        # Trainer still holds its own), resets the accumulation count, destroys a DeepSpeed engine and runs
+        # `gc.collect()` and the device's `empty_cache()`: all fine for a run that is over, as no collective can
+        # follow.
+        trainer.model_wrapped = trainer.model
+        trainer.accelerator.free_memory()
     _trainers.clear()
     gc.collect()
     if dist.is_available() and dist.is_initialized():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from hf_parallel.commands.env import trainer_mode
 from hf_parallel.launch import environment as launch_env
 from hf_parallel.launch import guards
 from tests.helpers.harness import training_args
+from tests.helpers.paths import repo_env
 from tests.helpers.tiny import ListDataset, classification_rows, tiny_bert_classifier
 
 # ---- launcher_world_size ----
@@ -176,13 +179,30 @@ def test_visible_devices_changed_before_cuda_init_is_silent(monkeypatch, cuda_no
     assert hf_parallel_log.records == []
 
 
-def test_visible_devices_falls_back_to_the_value_at_import(monkeypatch, hf_parallel_log):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", guards._NOT_RECORDED)
-    monkeypatch.setattr(guards, "_visible_devices_at_import", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    guards.check_visible_devices()
-    assert "CUDA read '1', it is now '0'" in hf_parallel_log.records[0].getMessage()
+# Imports the guards with CUDA_VISIBLE_DEVICES=1, changes it, and checks as if CUDA had initialised unrecorded.
+IMPORT_VALUE_PROBE = """
+import os
+import torch
+from hf_parallel.launch import guards
+os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+torch.cuda.is_initialized = lambda: True
+guards.check_visible_devices()
+"""
+
+
+def test_visible_devices_falls_back_to_the_value_at_import(tmp_path):
+    # In a fresh interpreter, so that the value at import is the one given here.
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_VALUE_PROBE],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=repo_env(CUDA_VISIBLE_DEVICES="1"),
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "CUDA read '1', it is now '0'" in result.stderr
 
 
 def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, cuda_not_initialised, hf_parallel_log):
@@ -190,7 +210,7 @@ def test_the_value_is_recorded_when_cuda_initialises(monkeypatch, cuda_not_initi
     # torch.cuda._lazy_init; run it as torch would.
     queued = [call for call, _ in torch.cuda._queued_calls if call is guards._record_visible_devices_at_cuda_init]
     assert len(queued) == 1
-    monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", guards._NOT_RECORDED)
+    monkeypatch.setattr(guards, "_visible_devices_at_cuda_init", "not recorded")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
     queued[0]()
     assert guards._visible_devices_at_cuda_init == "5,6"
