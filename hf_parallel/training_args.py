@@ -108,8 +108,7 @@ class HfParallelArguments:
         upgraded = cls.__new__(cls)
         upgraded.__dict__.update(args.__dict__)
         for f in fields(cls):
-            if f.name not in upgraded.__dict__:
-                setattr(upgraded, f.name, f.default)
+            upgraded.__dict__.setdefault(f.name, f.default)
         validate_hf_parallel_fields(upgraded)
         return upgraded
 
