@@ -75,9 +75,8 @@ class CleanCheckpointCallback(TrainerCallback):
             )
             return
         inner = unwrap_model(model)
-        keys = stored_keys(stored[0])
         no_config = isinstance(inner, PreTrainedModel) and not os.path.isfile(os.path.join(checkpoint, "config.json"))
-        if not has_wrapper_prefixes(keys, inner) and not no_config:
+        if not has_wrapper_prefixes(stored_keys(stored[0]), inner) and not no_config:
             return
         # on_save runs right after the save of this step, before any other update: the live weights are the saved ones.
         _rewrite_weights(checkpoint, inner)
@@ -113,12 +112,11 @@ def _rewrite_weights(checkpoint: str, inner: torch.nn.Module) -> None:
         inner.save_pretrained(fresh)
     else:
         safetensors.torch.save_model(inner, os.path.join(fresh, CHECKPOINT_WEIGHT_FILES[0]))
-    written = set()
-    for name in sorted(os.listdir(fresh), key=lambda n: n.endswith(".index.json")):  # an index after its shards
+    names = sorted(os.listdir(fresh), key=lambda n: n.endswith(".index.json"))  # an index after its shards
+    for name in names:
         os.replace(os.path.join(fresh, name), os.path.join(checkpoint, name))
-        written.add(os.path.join(checkpoint, name))
     os.rmdir(fresh)
-    for path in old - written:
+    for path in old - {os.path.join(checkpoint, name) for name in names}:
         os.remove(path)
 
 

@@ -91,16 +91,13 @@ def _version(package: str) -> str:
 def _versions() -> list[str]:
     import torch
 
-    lines = [
+    return [
         f"hf_parallel: {_version('hf-parallel')}",
         f"Python: {platform.python_version()} ({platform.platform()})",
+        # torch as it reports itself: a CUDA build's distribution may be `2.11.0` where torch says `2.11.0+cu130`.
+        *(f"{name}: {torch.__version__ if name == 'torch' else _version(name)}" for name in REPORTED_PACKAGES),
+        f"torch CUDA build: {torch.version.cuda or 'none (CPU build)'}",
     ]
-    # torch as it reports itself: a CUDA build's distribution may be `2.11.0` where torch says `2.11.0+cu130`.
-    lines.extend(
-        f"{package}: {torch.__version__ if package == 'torch' else _version(package)}" for package in REPORTED_PACKAGES
-    )
-    lines.append(f"torch CUDA build: {torch.version.cuda or 'none (CPU build)'}")
-    return lines
 
 
 def _devices(num_gpus: int) -> list[str]:
