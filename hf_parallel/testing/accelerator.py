@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
@@ -75,42 +76,30 @@ def cpu_as_accelerator() -> Iterator[None]:
         if not hasattr(accelerate_state, name):
             raise RuntimeError(
                 f"cpu_as_accelerator: accelerate {accelerate_state.__name__} has no {name} (accelerate "
-                f"{_accelerate_version()}); the switch needs accelerate 1.16 or later."
+                f"{accelerate.__version__}); the switch needs accelerate 1.16 or later."
             )
-    originals = {
-        "get_torch_accelerator_backend": accelerate_state.get_torch_accelerator_backend,
-        "get_distributed_backend": accelerate_state.get_distributed_backend,
-    }
-    use_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
-    bf16_available = training_args.is_torch_bf16_gpu_available
+    get_distributed_backend = accelerate_state.get_distributed_backend
+    multi_device = accelerate.Accelerator.multi_device
 
     def cpu_backend(*args, **kwargs):
         return "cpu", torch.cpu
 
     def distributed_backend(device_type):
-        return "gloo" if device_type == "cpu" else originals["get_distributed_backend"](device_type)
-
-    multi_device = accelerate.Accelerator.multi_device
+        return "gloo" if device_type == "cpu" else get_distributed_backend(device_type)
 
     def cpu_ranks_too(self) -> bool:
         return multi_device.fget(self) or (self.use_distributed and self.distributed_type == DistributedType.MULTI_CPU)
 
-    accelerate_state.get_torch_accelerator_backend = cpu_backend
-    accelerate_state.get_distributed_backend = distributed_backend
-    training_args.is_torch_bf16_gpu_available = lambda *args, **kwargs: True  # the CPU computes in bf16
-    accelerate.Accelerator.multi_device = property(cpu_ranks_too)
+    use_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:
-        yield
+        with (
+            mock.patch.object(accelerate_state, "get_torch_accelerator_backend", cpu_backend),
+            mock.patch.object(accelerate_state, "get_distributed_backend", distributed_backend),
+            # The CPU computes in bf16.
+            mock.patch.object(training_args, "is_torch_bf16_gpu_available", lambda *args, **kwargs: True),
+            mock.patch.object(accelerate.Accelerator, "multi_device", property(cpu_ranks_too)),
+        ):
+            yield
     finally:
-        for name, original in originals.items():
-            setattr(accelerate_state, name, original)
-        training_args.is_torch_bf16_gpu_available = bf16_available
-        accelerate.Accelerator.multi_device = multi_device
         if use_cpu is not None:
             os.environ["ACCELERATE_USE_CPU"] = use_cpu
-
-
-def _accelerate_version() -> str:
-    import accelerate
-
-    return accelerate.__version__

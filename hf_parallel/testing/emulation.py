@@ -44,11 +44,13 @@ import contextlib
 import functools
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
+from unittest import mock
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -189,50 +191,24 @@ def _gather_forward(ctx, target_device, dim, *inputs):
     return torch.view_as_complex(output) if inputs and inputs[0].is_complex() else output
 
 
-class _NullStream:
-    """A stream context that does nothing (every virtual device computes on the CPU, in order)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _NoAccelerator:
-    def is_available(self) -> bool:
-        return False
-
-
-class _ScatterTorch:
+class _TorchWith:
     """
-    What `torch.nn.parallel._functions` sees as `torch`: the real module, except that no accelerator is available, so
-    that `Scatter` does not set up CUDA copy streams for the CPU tensors it splits (on a machine that has a GPU).
+    What a module of `torch.nn.parallel` sees as `torch`: the real module, except for the attributes given. For
+    `_functions`, an accelerator that is not available, so that `Scatter` does not set up CUDA copy streams for the CPU
+    tensors it splits (on a machine that has a GPU); for `parallel_apply`, an accelerator of virtual devices (device
+    and stream contexts that only record the device) and CUDA-like autocast on the CPU.
     """
 
-    accelerator = _NoAccelerator()
+    def __init__(self, **attributes: Any):
+        self.__dict__.update(attributes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
 
-class _ReplicaThreads:
-    """
-    What `parallel_apply` sees as `torch`: the real module, except an accelerator of virtual devices (device and
-    stream contexts that only record the device) and CUDA-like autocast on the CPU.
-    """
-
-    def __init__(self, emulation: Emulation):
-        self._emulation = emulation
-        self.accelerator = _VirtualAccelerator(emulation)
-        self.amp = _CudaLikeAmp(emulation)
-
-    def is_autocast_enabled(self, device_type: str | None = None) -> bool:
-        # The caller's CUDA autocast is the CPU's here.
-        return torch.is_autocast_enabled("cpu" if device_type in (None, "cuda") else device_type)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+def _cpu_autocast_enabled(device_type: str | None = None) -> bool:
+    # The caller's CUDA autocast is the CPU's here.
+    return torch.is_autocast_enabled("cpu" if device_type in (None, "cuda") else device_type)
 
 
 class _VirtualAccelerator:
@@ -245,13 +221,14 @@ class _VirtualAccelerator:
     def current_accelerator(self) -> torch.device:
         return torch.device("cuda")
 
-    def current_stream(self, device: int | None = None) -> _NullStream:
+    def current_stream(self, device: int | None = None) -> contextlib.nullcontext:
         # parallel_apply asks for each replica's stream on the caller's thread, in replica order, before starting the
         # threads: the place to record which devices run (the threads themselves start in any order).
         if device is not None:
             self._emulation.check_devices([device])
             self._emulation.replica_devices.append(device)
-        return _NullStream()
+        # Every virtual device computes on the CPU, in order: a stream context that does nothing.
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def device_index(self, device: int):
@@ -259,19 +236,15 @@ class _VirtualAccelerator:
         yield
 
 
-class _CudaLikeAmp:
-    def __init__(self, emulation: Emulation):
-        self._emulation = emulation
-
-    def autocast(self, device_type: str, enabled: bool = True, **kwargs: Any):
-        # CUDA autocast entered in a new thread without a dtype takes that thread's CUDA default, float16 (the CPU's
-        # would be bfloat16): the emulation computes with the dtype GPUs would use.
-        if device_type == "cuda":
-            kwargs.setdefault("dtype", torch.get_autocast_dtype("cuda"))
-            device_type = "cpu"
-        with self._emulation.lock:
-            self._emulation.autocast_dtypes.append(kwargs["dtype"] if enabled else None)
-        return torch.autocast(device_type, enabled=enabled, **kwargs)
+def _cuda_like_autocast(emulation: Emulation, device_type: str, enabled: bool = True, **kwargs: Any):
+    # CUDA autocast entered in a new thread without a dtype takes that thread's CUDA default, float16 (the CPU's
+    # would be bfloat16): the emulation computes with the dtype GPUs would use.
+    if device_type == "cuda":
+        kwargs.setdefault("dtype", torch.get_autocast_dtype("cuda"))
+        device_type = "cpu"
+    with emulation.lock:
+        emulation.autocast_dtypes.append(kwargs["dtype"] if enabled else None)
+    return torch.autocast(device_type, enabled=enabled, **kwargs)
 
 
 def _init_over(emulation: Emulation, init):
@@ -284,25 +257,6 @@ def _init_over(emulation: Emulation, init):
             self.src_device_obj = torch.device("cpu")
 
     return emulated_init
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    # vars(), not getattr: a class keeps its staticmethod objects, and an attribute that did not exist is removed.
-    saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
 
 
 @contextlib.contextmanager
@@ -332,6 +286,11 @@ def simulate_data_parallel(n_devices: int) -> Iterator[Emulation]:
         raise RuntimeError("simulate_data_parallel blocks do not nest: leave the enclosing one first.")
     emulation = Emulation(n_devices)
     data_parallel = torch.nn.DataParallel
+    replica_threads = _TorchWith(
+        accelerator=_VirtualAccelerator(emulation),
+        amp=types.SimpleNamespace(autocast=functools.partial(_cuda_like_autocast, emulation)),
+        is_autocast_enabled=_cpu_autocast_enabled,
+    )
     patches = [
         (_data_parallel_module, "_hf_parallel_emulation", emulation),
         (torch._C, "_broadcast_coalesced", emulation.broadcast_coalesced),
@@ -343,10 +302,14 @@ def simulate_data_parallel(n_devices: int) -> Iterator[Emulation]:
         (_data_parallel_module, "_get_available_device_type", lambda: "cpu"),
         (_data_parallel_module, "_get_all_device_indices", lambda: list(range(n_devices))),
         (data_parallel, "__init__", _init_over(emulation, data_parallel.__init__)),
-        (_parallel_apply_module, "torch", _ReplicaThreads(emulation)),
-        (_functions, "torch", _ScatterTorch()),
+        (_parallel_apply_module, "torch", replica_threads),
+        (_functions, "torch", _TorchWith(accelerator=types.SimpleNamespace(is_available=lambda: False))),
     ]
-    with _patched(patches):
+    # mock.patch.object restores what it found as it found it: a class keeps its staticmethod objects, and an
+    # attribute that did not exist (a copy a CPU build of torch lacks) is removed again.
+    with contextlib.ExitStack() as stack:
+        for obj, name, value in patches:
+            stack.enter_context(mock.patch.object(obj, name, value, create=True))
         yield emulation
 
 

@@ -13,7 +13,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -71,22 +72,6 @@ def _part_together(store: dist.Store, world_size: int) -> None:
         time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def _rank_environment() -> Iterator[None]:
-    """Within the block, the environment a spawned CPU rank inherits: no GPU visible, one OpenMP thread unless set."""
-    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def spawn_cpu_ranks(
     function: Callable,
     args: tuple = (),
@@ -135,7 +120,9 @@ def spawn_cpu_ranks(
     ```
     """
     check_whole_number("num_processes", num_processes, 1)
-    with tempfile.TemporaryDirectory() as tmp, _rank_environment():
+    # The environment the ranks inherit, restored after: no GPU visible, one OpenMP thread unless set.
+    environment = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, environment):
         context = torch.multiprocessing.start_processes(
             _rank_entry,
             args=(function, args, num_processes, os.path.join(tmp, "store"), cpu_as_accelerator),
