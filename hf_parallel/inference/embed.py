@@ -9,9 +9,9 @@ its partial output.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,44 +35,25 @@ __all__ = ["MODEL_INPUT_KEYS", "embed_dataset", "resolve_state"]
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
-class _DefaultCollator:
+def _default_collate(tokenizer, rows: list) -> dict[str, torch.Tensor]:
     """Keep the model inputs of each row and pad them (with the tokenizer) or stack them (equal lengths)."""
-
-    def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
-
-    def __call__(self, rows: list) -> dict[str, torch.Tensor]:
-        if not isinstance(rows[0], dict):
-            raise TypeError(
-                f"Dataset rows must be dicts with `input_ids` (got {type(rows[0]).__name__}); tokenize first, or "
-                "pass a `data_collator` that builds the model inputs."
-            )
-        rows = [{k: v for k, v in row.items() if k in MODEL_INPUT_KEYS} for row in rows]
-        if "input_ids" not in rows[0]:
-            raise KeyError("Dataset rows have no `input_ids`; tokenize first or pass a `data_collator`.")
-        if self.tokenizer is not None:
-            return self.tokenizer.pad(rows, return_tensors="pt")
-        lengths = {len(row["input_ids"]) for row in rows}
-        if len(lengths) > 1:
-            raise ValueError(
-                f"Rows of one batch have different lengths {sorted(lengths)} and no tokenizer was given to pad "
-                "them: pass `tokenizer=` (or a `data_collator`)."
-            )
-        return {k: torch.as_tensor(np.asarray([row[k] for row in rows])) for k in rows[0]}
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The arguments of `embed_dataset` that the preparation and the iteration need."""
-
-    batch_size: int
-    pooling: str
-    layer: int
-    use_base_model: bool
-    data_parallel: bool | Callable[[nn.Module], nn.Module] | None
-    collate_fn: Callable[[list], dict]
-    dtype: torch.dtype
-    num_workers: int
+    if not isinstance(rows[0], dict):
+        raise TypeError(
+            f"Dataset rows must be dicts with `input_ids` (got {type(rows[0]).__name__}); tokenize first, or "
+            "pass a `data_collator` that builds the model inputs."
+        )
+    rows = [{k: v for k, v in row.items() if k in MODEL_INPUT_KEYS} for row in rows]
+    if "input_ids" not in rows[0]:
+        raise KeyError("Dataset rows have no `input_ids`; tokenize first or pass a `data_collator`.")
+    if tokenizer is not None:
+        return tokenizer.pad(rows, return_tensors="pt")
+    lengths = {len(row["input_ids"]) for row in rows}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"Rows of one batch have different lengths {sorted(lengths)} and no tokenizer was given to pad "
+            "them: pass `tokenizer=` (or a `data_collator`)."
+        )
+    return {k: torch.as_tensor(np.asarray([row[k] for row in rows])) for k in rows[0]}
 
 
 def resolve_state(state=None):
@@ -119,55 +100,36 @@ def _check_arguments(dataset, batch_size, pooling, dtype, output_file, num_worke
     return num_rows
 
 
-def _prepare(model: nn.Module, state, options: _Options) -> tuple[nn.Module, torch.device]:
-    """Put the model in eval mode on this process's device; return the embedding module to call and that device."""
+def _iterate(
+    model: nn.Module, module: nn.Module, batches: list[range], loader, state, data_parallel, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
+    """
+    Prepare, then yield this process's embeddings, one `(rows, hidden)` block per batch of `shard_batches`.
+
+    The preparation (the model in eval mode on this process's device, the embedding `module` wrapped for
+    DataParallel) runs on the first `next`, inside the steps, so that a process failing there (out of memory while
+    moving the model, say) is reported to the others like a failure in a batch.
+    """
+    from accelerate.utils import send_to_device
+
     dispatched = getattr(model, "hf_device_map", None) is not None
     device = next(model.parameters()).device if dispatched else state.device
     if not dispatched:
         model.to(device)
     model.eval()
-    # Empty rows are checked on the host, before each batch moves to the device (no sync per batch there).
-    module: nn.Module = SequenceEmbedder(
-        model,
-        pooling=options.pooling,
-        layer=options.layer,
-        use_base_model=options.use_base_model,
-        check_empty_rows=False,
-    )
-    data_parallel = options.data_parallel
     if data_parallel is None:
         data_parallel = (
             state.num_processes == 1 and not dispatched and device.type == "cuda" and torch.cuda.device_count() > 1
         )
     if data_parallel:
         module = data_parallel(module) if callable(data_parallel) else nn.DataParallel(module)
-    return module, device
-
-
-def _iterate(model: nn.Module, dataset, state, options: _Options) -> Iterator[torch.Tensor]:
-    """
-    Prepare, then yield this process's embeddings, one `(rows, hidden)` block per batch of `shard_batches`.
-
-    The preparation runs on the first `next`, inside the steps, so that a process failing there (out of memory
-    while moving the model, say) is reported to the others like a failure in a batch.
-    """
-    from accelerate.utils import send_to_device
-
-    module, device = _prepare(model, state, options)
-    batches = shard_batches(len(dataset), options.batch_size, state.num_processes, state.process_index)
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=[list(b) for b in batches],
-        collate_fn=options.collate_fn,
-        num_workers=options.num_workers,
-    )
     for rows, batch in zip(batches, loader, strict=True):
         try:
             if isinstance(batch.get("attention_mask"), torch.Tensor):
                 check_rows_have_tokens(batch["attention_mask"])
             batch = send_to_device(dict(batch), device)  # a plain dict, as the model call gets it
             with torch.inference_mode():
-                local = module(**batch).to(options.dtype)
+                local = module(**batch).to(dtype)
         except ValueError as error:
             raise ValueError(f"In the batch of dataset rows {rows.start}..{rows.stop - 1}: {error}") from error
         if local.shape[0] != len(rows):
@@ -311,21 +273,23 @@ def embed_dataset(
         )
     model = unwrap_model(model)
     was_training = model.training
-    options = _Options(
-        batch_size=batch_size,
-        pooling=pooling,
-        layer=layer,
-        use_base_model=use_base_model,
-        data_parallel=data_parallel,
-        collate_fn=data_collator or _DefaultCollator(tokenizer),
-        dtype=dtype,
+    # Empty rows are checked on the host, before each batch moves to the device (no sync per batch there).
+    embedder = SequenceEmbedder(
+        model, pooling=pooling, layer=layer, use_base_model=use_base_model, check_empty_rows=False
+    )
+    batches = shard_batches(num_rows, batch_size, world, rank)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=[list(b) for b in batches],
+        collate_fn=data_collator or functools.partial(_default_collate, tokenizer),
         num_workers=num_workers,
     )
     gather = OrderedGather(num_rows, batch_size, world, rank, dtype, state.device)
     writer = EmbeddingWriter(output_file, num_rows, dtype, metadata) if state.is_main_process else None
     bar = logging.tqdm(total=num_rows, desc="Embedding", unit="seq", disable=not (progress and state.is_main_process))
     try:
-        result = _gather_and_write(_iterate(model, dataset, state, options), gather, writer, bar)
+        steps = _iterate(model, embedder, batches, loader, state, data_parallel, dtype)
+        result = _gather_and_write(steps, gather, writer, bar)
     except BaseException:
         if writer is not None:
             writer.discard()
