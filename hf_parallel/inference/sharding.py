@@ -116,8 +116,7 @@ class OrderedGather:
             `torch.Tensor`: the step's rows of every rank, in dataset order, on rank 0; `None` on the others.
         """
         if self.world == 1:
-            if error is not None:
-                raise error
+            self.finish(error)  # raises the error, if any
             return local
         if self.dim == 0:
             # The first step: ranks without rows (fewer rows than B*W) learn the width, as they must send blocks of
@@ -133,9 +132,7 @@ class OrderedGather:
         # gather to rank 0, which for one batch of pooled vectors is small beside the forward that made them.
         received = [torch.empty_like(send) for _ in range(self.world)]
         dist.all_gather(received, send)
-        failed = torch.nonzero(torch.stack([tensor[-1, 0] for tensor in received])).flatten().tolist()
-        if failed:
-            self._raise(error, failed)
+        self._raise_if_failed(error, torch.stack([tensor[-1, 0] for tensor in received]))
         if self.rank != 0:
             return None
         base = step * self.batch_size * self.world
@@ -144,11 +141,10 @@ class OrderedGather:
 
     def finish(self, error: BaseException | None) -> None:
         """After the last step: wait for every rank, and raise on all of them if any failed since the last step."""
-        if self.world == 1:
-            if error is not None:
-                raise error
-            return
-        self._check_ranks(error, 0)
+        if self.world > 1:
+            self._check_ranks(error, 0)
+        elif error is not None:
+            raise error
 
     def _check_ranks(self, error: BaseException | None, dim: int) -> int:
         # One small all-reduce: a flag per rank (1: failed) and the block width. The maximum of the widths is the
@@ -157,13 +153,15 @@ class OrderedGather:
         status[self.rank] = int(error is not None)
         status[-1] = dim
         dist.all_reduce(status, op=dist.ReduceOp.MAX)
-        failed = torch.nonzero(status[:-1]).flatten().tolist()
-        if failed:
-            self._raise(error, failed)
+        self._raise_if_failed(error, status[:-1])
         return int(status[-1])
 
-    def _raise(self, error: BaseException | None, failed: list[int]) -> None:
-        # The messages travel only on failure; every rank has reached this same point.
+    def _raise_if_failed(self, error: BaseException | None, flags: torch.Tensor) -> None:
+        # `flags`: one per rank, nonzero where it failed. Every rank has the same flags and reached this same point,
+        # so the messages travel only on failure.
+        failed = torch.nonzero(flags).flatten().tolist()
+        if not failed:
+            return
         messages = [None] * self.world
         dist.all_gather_object(messages, None if error is None else _describe(error))
         detail = "; ".join(f"rank {rank}: {messages[rank]}" for rank in failed)
