@@ -112,22 +112,19 @@ def replicate_with_routing(module: nn.Module, device_ids: Sequence[int]) -> list
     ```
     """
     install_output_hooks(module)
-    grad = torch.is_grad_enabled()
+    params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
     with torch.no_grad():
         replicas = replicate(module, device_ids, detach=True)
-    params = [p for p in module.parameters() if p.requires_grad] if grad else []
-    index = {p: i for i, p in enumerate(params)}
     per_replica = [_slots(module, replica) for replica in replicas]
-    copies = []  # one per replica and routed parameter, replica by replica
-    for slots in per_replica:
-        of = {param: getattr(copy, key) for copy, key, param in slots}
-        copies.extend(of[p] for p in params)
-    routed = _GradientsToSource.apply(len(params), *params, *copies) if params else ()
-    for j, slots in enumerate(per_replica):
+    # Per replica, its copy of each parameter of the module: torch's detached one, replaced below by the routed one.
+    copies = [{param: getattr(copy, key) for copy, key, param in slots} for slots in per_replica]
+    n = len(params)
+    routed = _GradientsToSource.apply(n, *params, *(of[p] for of in copies for p in params)) if params else ()
+    for j, (slots, of) in enumerate(zip(per_replica, copies, strict=True)):
+        of.update(zip(params, routed[j * n : (j + 1) * n], strict=True))
         for copy, key, param in slots:
-            tensor = routed[j * len(params) + index[param]] if param in index else getattr(copy, key)
             # torch stores a replica's copies as plain attributes, which `parameters()` does not see; keep them where
             # Module attribute lookup still finds them and `parameters()` lists them.
             copy.__dict__.pop(key, None)
-            copy._parameters[key] = tensor
+            copy._parameters[key] = of[param]
     return replicas

@@ -82,8 +82,7 @@ def scatter_structure(
 
     def walk(value):
         if isinstance(value, torch.Tensor):
-            pieces = copy(value) if value.dim() == 0 else split(value)
-            return list(pieces)
+            return list(copy(value) if value.dim() == 0 else split(value))
         if is_namedtuple(value):
             return [type(value)(*args) for args in zip(*map(walk, value), strict=strict)]
         if isinstance(value, tuple) and len(value) > 0:
@@ -108,11 +107,9 @@ def scatter_inputs(
     Split a call's positional and keyword arguments into `num_chunks` calls with `scatter_structure` (strict),
     an empty `()` / `{}` for each chunk when there are none.
     """
-    scattered_inputs = scatter_structure(tuple(inputs), num_chunks, split, copy) if inputs else []
-    scattered_kwargs = scatter_structure(kwargs, num_chunks, split, copy) if kwargs else []
-    scattered_inputs = scattered_inputs or [() for _ in range(num_chunks)]
-    scattered_kwargs = scattered_kwargs or [{} for _ in range(num_chunks)]
-    return tuple(scattered_inputs), tuple(scattered_kwargs)
+    # An empty tuple or dict is shared, as any non-tensor: `()` / `{}` for each chunk.
+    scattered_inputs = scatter_structure(tuple(inputs), num_chunks, split, copy)
+    return tuple(scattered_inputs), tuple(scatter_structure(kwargs, num_chunks, split, copy))
 
 
 def batch_rows(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int | None:

@@ -28,20 +28,11 @@ from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from ..exact.replicas import gathering_as_torch
-from .chunking import balanced_chunk_sizes, check_split_options, suggest_gpu0_bsz, torch_chunk_sizes
+from .chunking import balanced_chunk_sizes, check_split_options
 from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_inputs
 
-__all__ = [
-    "BalancedDataParallel",
-    "ExactDataParallel",
-    "balanced_chunk_sizes",
-    "balanced_wrapper",
-    "with_exact_replicas",
-    "check_split_options",
-    "suggest_gpu0_bsz",
-    "torch_chunk_sizes",
-]
+__all__ = ["BalancedDataParallel", "ExactDataParallel", "balanced_wrapper", "with_exact_replicas"]
 
 logger = logging.get_logger(__name__)
 
@@ -268,15 +259,15 @@ def balanced_wrapper(
         or getattr(model, "is_loaded_in_4bit", False)
     ):
         return None
-    if training and not args.exact_loss and model_accepts_loss_kwargs:
-        # Stock compute_loss passes num_items_in_batch to such models as an [n_gpu, 1] tensor, one row per GPU,
-        # which a balanced split cannot scatter (BalancedDataParallel would raise at the first step).
-        raise ValueError(
-            f"{setting} with exact_loss=False: {type(model).__name__} accepts loss kwargs, so the stock loss "
-            "passes it num_items_in_batch as an [n_gpu, 1] tensor, one row per GPU, which a balanced split cannot "
-            "follow. Set exact_loss=True (the default) or unset gpu0_bsz/gpu0_weight."
-        )
     if training and not args.exact_loss:
+        if model_accepts_loss_kwargs:
+            # Stock compute_loss passes num_items_in_batch to such models as an [n_gpu, 1] tensor, one row per GPU,
+            # which a balanced split cannot scatter (BalancedDataParallel would raise at the first step).
+            raise ValueError(
+                f"{setting} with exact_loss=False: {type(model).__name__} accepts loss kwargs, so the stock loss "
+                "passes it num_items_in_batch as an [n_gpu, 1] tensor, one row per GPU, which a balanced split "
+                "cannot follow. Set exact_loss=True (the default) or unset gpu0_bsz/gpu0_weight."
+            )
         logger.warning_once(
             f"{setting} with exact_loss=False: the stock loss averages the per-GPU mean losses, which is not the "
             "batch mean when the chunks differ in size, as they do here. Keep exact_loss=True (the default)."
