@@ -64,13 +64,10 @@ class EmbeddingWriter:
         self.metadata = metadata
         self.rows_written = 0
         self.array = None
-        self.file = None
         self.offset = 0
-        self.dim = None
         self.partial = None if self.path is None else self.path.with_name(self.path.name + ".partial")
 
     def _open(self, dim: int) -> None:
-        self.dim = dim
         shape = (self.num_rows, dim)
         if self.path is None:
             self.array = np.empty(shape, dtype=self.descr)
@@ -86,24 +83,21 @@ class EmbeddingWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the format aligns the data on 8 bytes; spaces are valid JSON
         self.offset = 8 + len(encoded)
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed in close() or discard())
-        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+        with open(self.partial, "wb") as file:
+            file.write(struct.pack("<Q", len(encoded)) + encoded)
+        # The rows follow the header, written through a map as for .npy (numpy extends the file to the full size).
+        self.array = np.memmap(self.partial, dtype=self.descr, mode="r+", offset=self.offset, shape=shape)
 
     def write(self, block: np.ndarray) -> None:
         """Append `block` (`(rows, dim)`) after the rows written so far."""
-        if self.array is None and self.file is None:
+        if self.array is None:
             self._open(block.shape[1])
         end = self.rows_written + len(block)
-        if self.file is not None:
-            self.file.write(np.ascontiguousarray(block, dtype=self.descr).tobytes())
-        else:
-            self.array[self.rows_written : end] = block
+        self.array[self.rows_written : end] = block
         self.rows_written = end
 
     def discard(self) -> None:
         """After an error: release the file and remove the partial output."""
-        if self.file is not None:
-            self.file.close()
         self.array = None
         if self.path is not None and self.partial.exists():
             self.partial.unlink()
@@ -119,13 +113,10 @@ class EmbeddingWriter:
             raise RuntimeError(f"Wrote {self.rows_written} embeddings for {self.num_rows} rows.")
         if self.path is None:
             return self.array
-        if self.file is not None:
-            self.file.close()
-            os.replace(self.partial, self.path)
-            return np.memmap(
-                self.path, dtype=self.descr, mode="r", offset=self.offset, shape=(self.num_rows, self.dim)
-            )
+        shape = self.array.shape
         self.array.flush()
-        del self.array
+        self.array = None  # unmapped before the rename
         os.replace(self.partial, self.path)
-        return np.load(self.path, mmap_mode="r")
+        if self.path.suffix == ".npy":
+            return np.load(self.path, mmap_mode="r")
+        return np.memmap(self.path, dtype=self.descr, mode="r", offset=self.offset, shape=shape)
