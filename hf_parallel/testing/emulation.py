@@ -128,17 +128,14 @@ class Emulation:
                 )
         size = list(first.shape)
         size[dim] = sum(tensor.size(dim) for tensor in tensors)
-        gathered = torch.empty(size, dtype=first.dtype, memory_format=_memory_format(tensors))
+        # torch::cuda::gather keeps the pieces' suggested memory format when they all have the same, else contiguous.
+        formats = {suggest_memory_format(tensor) for tensor in tensors}
+        memory_format = formats.pop() if len(formats) == 1 else torch.contiguous_format
+        gathered = torch.empty(size, dtype=first.dtype, memory_format=memory_format)
         for piece, tensor in zip(gathered.split([t.size(dim) for t in tensors], dim), tensors, strict=True):
             piece.copy_(tensor)
         self.gathered_bytes.append(gathered.numel() * gathered.element_size())
         return gathered
-
-
-def _memory_format(tensors: Sequence[torch.Tensor]) -> torch.memory_format:
-    # torch::cuda::gather keeps the first piece's suggested memory format when every piece has it, else contiguous.
-    first = suggest_memory_format(tensors[0])
-    return first if all(suggest_memory_format(t) == first for t in tensors) else torch.contiguous_format
 
 
 def _reduce_add(inputs, destination=None):
