@@ -82,12 +82,10 @@ def checkpoint_weight_files(folder: str | os.PathLike, shards: bool = False) -> 
     ```
     """
     folder = os.fspath(folder)
-    paths = [os.path.join(folder, name) for name in CHECKPOINT_WEIGHT_FILES]
-    paths = [path for path in paths if os.path.isfile(path)]
-    if shards:
-        for index in [path for path in paths if path.endswith(".index.json")]:
-            listed = (os.path.join(folder, name) for name in sorted(set(_weight_map(index).values())))
-            paths += [path for path in listed if os.path.isfile(path)]
+    paths = [path for path in (os.path.join(folder, name) for name in CHECKPOINT_WEIGHT_FILES) if os.path.isfile(path)]
+    for index in [path for path in paths if shards and path.endswith(".index.json")]:
+        listed = (os.path.join(folder, name) for name in sorted(set(_weight_map(index).values())))
+        paths += [path for path in listed if os.path.isfile(path)]
     return paths
 
 
@@ -115,37 +113,6 @@ def stored_keys(path: str | os.PathLike) -> list[str]:
 # ---- Reading state dicts from disk ----
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    try:
-        return safetensors.torch.load_file(path, device="cpu")
-    except (SafetensorError, OSError) as err:
-        raise ValueError(
-            f"Could not read the safetensors file {path}: {err}. The file is corrupted or truncated (an interrupted "
-            "save or download, or a file that is not safetensors at all); save or download it again."
-        ) from err
-
-
-def _read_pickle(path: str) -> Mapping:
-    try:
-        # weights_only: a pickle can run arbitrary code when it is loaded; tensors and plain containers cannot.
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "weights only" in str(err).lower():
-            raise ValueError(
-                f"Refusing to load {path}: it holds objects other than tensors (for instance a whole pickled model "
-                "or optimizer), and loading those can run arbitrary code, so only weights_only=True loads are made. "
-                "If you trust the file, load it yourself with torch.load(path, weights_only=False), take the model's "
-                "state dict from it, and pass that dict to load_state_dict."
-            ) from err
-        raise ValueError(
-            f"Could not read {path} as a PyTorch pickle: {err}. The file is corrupted or truncated."
-        ) from err
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(
-            f"Could not read {path} as a PyTorch pickle: {err}. The file is corrupted or truncated."
-        ) from err
-
-
 def _read_index(path: str) -> dict[str, torch.Tensor]:
     folder = os.path.dirname(path)
     state_dict: dict[str, torch.Tensor] = {}
@@ -161,30 +128,30 @@ def _read_index(path: str) -> dict[str, torch.Tensor]:
 
 
 def _read_file(path: str) -> Mapping:
-    if path.endswith(".safetensors"):
-        return _read_safetensors(path)
     if path.endswith(".index.json"):
         return _read_index(path)
-    return _read_pickle(path)
-
-
-def _weights_path(path: str) -> str:
-    """The weight file to read for `path`: `path` itself, or the preferred weight file of a checkpoint directory."""
-    if os.path.isdir(path):
-        found = checkpoint_weight_files(path)
-        if not found:
-            raise FileNotFoundError(
-                f"No weights in the directory {path}: expected one of {', '.join(CHECKPOINT_WEIGHT_FILES)} "
-                f"(the save_pretrained layout); it holds {sorted(os.listdir(path))[:20]}. Pass the path of the "
-                "weights file itself, or the checkpoint directory that save_pretrained / Trainer wrote."
-            )
-        return found[0]
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"No checkpoint at {path}: the file or directory does not exist. Check the path (a checkpoint "
-            "directory such as out/checkpoint-500, or a .safetensors / .bin / .pt file)."
-        )
-    return path
+    if path.endswith(".safetensors"):
+        try:
+            return safetensors.torch.load_file(path, device="cpu")
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"Could not read the safetensors file {path}: {err}. The file is corrupted or truncated (an "
+                "interrupted save or download, or a file that is not safetensors at all); save or download it again."
+            ) from err
+    try:
+        # weights_only: a pickle can run arbitrary code when it is loaded; tensors and plain containers cannot.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        if isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower():
+            raise ValueError(
+                f"Refusing to load {path}: it holds objects other than tensors (for instance a whole pickled model "
+                "or optimizer), and loading those can run arbitrary code, so only weights_only=True loads are made. "
+                "If you trust the file, load it yourself with torch.load(path, weights_only=False), take the model's "
+                "state dict from it, and pass that dict to load_state_dict."
+            ) from err
+        raise ValueError(
+            f"Could not read {path} as a PyTorch pickle: {err}. The file is corrupted or truncated."
+        ) from err
 
 
 def read_state_dict(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -201,7 +168,22 @@ def read_state_dict(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> d
     if isinstance(source, Mapping):
         state_dict, where = dict(source), "The state dict"
     elif isinstance(source, (str, os.PathLike)):
-        where = _weights_path(os.fspath(source))
+        # The weight file to read: `source` itself, or the preferred weight file of a checkpoint directory.
+        where = os.fspath(source)
+        if os.path.isdir(where):
+            found = checkpoint_weight_files(where)
+            if not found:
+                raise FileNotFoundError(
+                    f"No weights in the directory {where}: expected one of {', '.join(CHECKPOINT_WEIGHT_FILES)} "
+                    f"(the save_pretrained layout); it holds {sorted(os.listdir(where))[:20]}. Pass the path of the "
+                    "weights file itself, or the checkpoint directory that save_pretrained / Trainer wrote."
+                )
+            where = found[0]
+        elif not os.path.exists(where):
+            raise FileNotFoundError(
+                f"No checkpoint at {where}: the file or directory does not exist. Check the path (a checkpoint "
+                "directory such as out/checkpoint-500, or a .safetensors / .bin / .pt file)."
+            )
         state_dict = _read_file(where)
     else:
         raise TypeError(
@@ -225,48 +207,18 @@ def read_state_dict(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> d
 
 def _tolerated_missing(model: nn.Module, loaded: set[str]) -> set[str]:
     """Model keys that may be absent: tied copies of a loaded weight, and keys the model itself never saves."""
-    tolerated: set[str] = set()
     groups: dict[tuple, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its own shard's storage
         if local.device.type != "meta" and local.numel() > 0:
             groups.setdefault((local.device, local.untyped_storage().data_ptr()), []).append(key)
+    tolerated = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     for keys in groups.values():
         # save_pretrained writes one of a group of tied weights (e.g. lm_head.weight = embeddings); loading that one
         # fills the others too.
         if len(keys) > 1 and any(k in loaded for k in keys):
             tolerated.update(keys)
-    tolerated.update(getattr(model, "_keys_to_ignore_on_save", None) or ())
     return tolerated
-
-
-def _load_matched(
-    target: nn.Module, state_dict: dict[str, torch.Tensor], model_state: Mapping[str, torch.Tensor], where: str
-) -> None:
-    """
-    `target.load_state_dict(state_dict)` with the keys already matched. Shapes are the model's call: a module may
-    resize a buffer to the stored one in its `_load_from_state_dict` (torch.ao's per-channel fake-quantize observers
-    start with a placeholder shape), so only a shape the model refuses is an error, re-raised naming `where`.
-    """
-    # A model sharded at load time holds DTensors: each takes its own part of the whole tensor read from disk.
-    state_dict = {k: distribute_whole(v, model_state[k]) if k in model_state else v for k, v in state_dict.items()}
-    try:
-        # Keys were checked by the caller, with tied weights tolerated; torch's strict check would not tolerate them.
-        target.load_state_dict(state_dict, strict=False)
-    except RuntimeError as err:
-        refused = [k for k in state_dict if f"size mismatch for {k}:" in str(err)]
-        if not refused:
-            raise RuntimeError(f"Cannot load {where} into {type(target).__name__}: {err}") from err
-        shapes = [
-            f"{k}: {tuple(state_dict[k].shape)} in the checkpoint, {tuple(model_state[k].shape)} in the model"
-            for k in refused
-        ]
-        raise ValueError(
-            f"Cannot load {where} into {type(target).__name__}: shapes differ for {len(refused)} weights "
-            f"({'; '.join(shapes[:MAX_KEYS_SHOWN])}). The checkpoint was saved from a model with another "
-            "configuration; build the model from the checkpoint's config (from_pretrained) instead. The weights "
-            "whose shapes fit were copied before the model refused these, so rebuild it before loading again."
-        ) from err
 
 
 def load_state_dict(
@@ -322,7 +274,28 @@ def load_state_dict(
             f"({_show(unexpected) or 'none'}). It was most likely saved from another architecture or configuration. "
             "Load it into the model it was saved from, or pass strict=False to load the matching keys only."
         )
-    _load_matched(target, renamed, model_state, where)
+    # A model sharded at load time holds DTensors: each takes its own part of the whole tensor read from disk.
+    renamed = {k: distribute_whole(v, model_state[k]) for k, v in renamed.items()}
+    try:
+        # Keys were checked above, with tied weights tolerated; torch's strict check would not tolerate them.
+        target.load_state_dict(renamed, strict=False)
+    except RuntimeError as err:
+        # Shapes are the model's call: a module may resize a buffer to the stored one in its `_load_from_state_dict`
+        # (torch.ao's per-channel fake-quantize observers start with a placeholder shape), so only a shape the model
+        # refuses is an error.
+        refused = [k for k in renamed if f"size mismatch for {k}:" in str(err)]
+        if not refused:
+            raise RuntimeError(f"Cannot load {where} into {type(target).__name__}: {err}") from err
+        shapes = [
+            f"{k}: {tuple(renamed[k].shape)} in the checkpoint, {tuple(model_state[k].shape)} in the model"
+            for k in refused
+        ]
+        raise ValueError(
+            f"Cannot load {where} into {type(target).__name__}: shapes differ for {len(refused)} weights "
+            f"({'; '.join(shapes[:MAX_KEYS_SHOWN])}). The checkpoint was saved from a model with another "
+            "configuration; build the model from the checkpoint's config (from_pretrained) instead. The weights "
+            "whose shapes fit were copied before the model refused these, so rebuild it before loading again."
+        ) from err
     if missing or unexpected:
         logger.warning(
             f"Loaded {where} non-strictly: missing keys {_show(missing) or 'none'}; "
@@ -359,8 +332,7 @@ def check_reload(trainer, output_dir: str, model_class: type | None = None, tole
     from accelerate.utils import send_to_device
 
     trained = unwrap_model(trainer.model)
-    partitioned = is_partitioned(trained)
-    if partitioned:
+    if is_partitioned(trained):
         wait_for_every_rank("check_reload", "every rank must call check_reload (each runs the trained model).")
     loader = model_class if model_class is not None else type(trained)
     # Under ZeRO-3 every rank loads it, partitioned as the trained model is (transformers' zero.Init).
