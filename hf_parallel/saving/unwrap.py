@@ -54,11 +54,6 @@ def _inner(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def _data_parallel_inner(module: nn.Module) -> nn.Module | None:
-    """The module an `nn.DataParallel` / `DistributedDataParallel` (or subclass) holds, or `None` for any other."""
-    return module.module if isinstance(module, DATA_PARALLEL_CLASSES) else None
-
-
 def _peel(model: nn.Module, inner=_inner) -> tuple[list[nn.Module], nn.Module]:
     """
     The one unwrapping walk: the wrappers around `model`, outermost first, and the module inside them, where
@@ -142,17 +137,16 @@ def match_keys(source_keys: Iterable[str], model_keys: Iterable[str]) -> tuple[d
         by_norm[norm] = None if norm in by_norm else key
     mapping: dict[str, str] = {}
     unexpected: list[str] = []
+    by_target: dict[str, list[str]] = {}
     for key in source_keys:
         target = key if key in exact else by_norm.get(_normalise(key))
         if target is None:
             unexpected.append(key)
         else:
             mapping[key] = target
-    if len(set(mapping.values())) != len(mapping):
-        by_target: dict[str, list[str]] = {}
-        for key, target in mapping.items():
             by_target.setdefault(target, []).append(key)
-        clashes = {t: ks for t, ks in by_target.items() if len(ks) > 1}
+    clashes = {t: ks for t, ks in by_target.items() if len(ks) > 1}
+    if clashes:
         raise ValueError(
             "The state dict holds the same weight more than once under different wrapper prefixes: "
             + "; ".join(f"{t} <- {ks}" for t, ks in list(clashes.items())[:MAX_KEYS_SHOWN])
@@ -247,7 +241,7 @@ def unwrap_user_model(model: nn.Module | None, args) -> tuple[nn.Module | None, 
     if not isinstance(model, DATA_PARALLEL_CLASSES):
         return model, args
     # Only the data-parallel wrappers the Trainer makes itself: a torch.compile'd model inside stays compiled.
-    wrappers, model = _peel(model, _data_parallel_inner)
+    wrappers, model = _peel(model, lambda module: module.module if isinstance(module, DATA_PARALLEL_CLASSES) else None)
     names = " in ".join(type(w).__name__ for w in wrappers)
     for wrapper in wrappers:
         args = _split_settings_from(wrapper, args)
