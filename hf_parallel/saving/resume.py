@@ -75,14 +75,10 @@ def complete_checkpoints(output_dir: str) -> tuple[list[str], list[tuple[str, li
     """
     The checkpoints of `output_dir`, newest first: the complete ones, and the torn ones with what each lacks.
     """
-    found = []
-    if os.path.isdir(output_dir):
-        for name in os.listdir(output_dir):
-            match = _CHECKPOINT.match(name)
-            if match and os.path.isdir(os.path.join(output_dir, name)):
-                found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    found = [os.path.join(output_dir, name) for name in names if _CHECKPOINT.match(name)]
     complete, torn = [], []
-    for _, path in sorted(found, reverse=True):
+    for path in sorted(filter(os.path.isdir, found), key=lambda path: (_step(path), path), reverse=True):
         problems = checkpoint_problems(path)
         if problems:
             torn.append((path, problems))
@@ -91,19 +87,12 @@ def complete_checkpoints(output_dir: str) -> tuple[list[str], list[tuple[str, li
     return complete, torn
 
 
-def _staged(output_dir: str) -> list[str]:
-    staging = os.path.join(output_dir, STAGING_DIR)
-    return sorted(os.path.join(staging, n) for n in os.listdir(staging)) if os.path.isdir(staging) else []
-
-
 def _describe(torn: list[tuple[str, list[str]]]) -> str:
     return "; ".join(f"{path} lacks {', '.join(problems)}" for path, problems in torn)
 
 
 def _newest(output_dir: str, main: bool) -> str:
     complete, torn = complete_checkpoints(output_dir)
-    newer = [(path, problems) for path, problems in torn if not complete or _step(path) > _step(complete[0])]
-    staged = _staged(output_dir)
     if not complete:
         reason = f" Torn: {_describe(torn)}." if torn else ""
         # Stock's sentence first (code written against stock matches its text), then what hf_parallel knows.
@@ -111,6 +100,9 @@ def _newest(output_dir: str, main: bool) -> str:
             f"No valid checkpoint found in output directory ({output_dir}): no complete checkpoint to resume from."
             f"{reason}"
         )
+    newer = [(path, problems) for path, problems in torn if _step(path) > _step(complete[0])]
+    staging = os.path.join(output_dir, STAGING_DIR)
+    staged = sorted(os.path.join(staging, n) for n in os.listdir(staging)) if os.path.isdir(staging) else []
     if main and (newer or staged):
         skipped = [_describe(newer)] if newer else []
         skipped += [f"{path} (a save a kill interrupted)" for path in staged]
@@ -138,8 +130,7 @@ def resolve_resume(args, resume_from_checkpoint, num_processes: int):
         if problems:
             complete, _ = complete_checkpoints(os.path.dirname(os.path.abspath(path)))
             hint = f" The newest complete checkpoint there is {complete[0]}." if complete else ""
-            lacks = ", ".join(problems)
-            what = "it does not exist" if not os.path.isdir(path) else f"it lacks {lacks}"
+            what = "it does not exist" if not os.path.isdir(path) else f"it lacks {', '.join(problems)}"
             # Stock's sentence first (code written against stock matches its text), then what hf_parallel knows.
             raise ValueError(
                 f"Can't find a valid checkpoint at {path}: {what}.{hint} Pass a complete checkpoint, or "

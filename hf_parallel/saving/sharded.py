@@ -51,12 +51,11 @@ def distribute_whole(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     `value`, a whole tensor every rank holds, laid out as `like` (a DTensor: its mesh and placements; each rank keeps
     its own part, nothing is sent); `value` itself where `like` is a plain tensor.
     """
-    if not _is_dtensor(like):
+    # Another shape is left as it is: the caller's shape check names it.
+    if not _is_dtensor(like) or tuple(value.shape) != tuple(like.shape):
         return value
     from torch.distributed.tensor import distribute_tensor
 
-    if tuple(value.shape) != tuple(like.shape):
-        return value  # the caller's shape check names it
     value = value.to(device=like.device, dtype=like.dtype)
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 

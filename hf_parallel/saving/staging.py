@@ -79,20 +79,18 @@ def _clear(path: str) -> None:
 
 def _commit(staged: str, final: str) -> None:
     """Rename `staged` to `final`; a complete `final` of an earlier run (a resume from before it) is replaced."""
+    aside = f"{staged}.replaced"
     if os.path.isdir(final):
         # Set aside first: a rename does not replace a folder that holds files.
-        aside = f"{staged}.replaced"
         _clear(aside)
         os.rename(final, aside)
-        os.rename(staged, final)
-        _clear(aside)
-        return
     try:
         os.rename(staged, final)
     except FileNotFoundError:
         # save_on_each_node on a shared folder: another node's saving process renamed it first.
         if not os.path.isdir(final):
             raise
+    _clear(aside)
 
 
 def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], None]) -> str:
