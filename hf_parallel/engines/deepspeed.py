@@ -46,10 +46,9 @@ def scalar_parameter_problem(model: nn.Module) -> str | None:
         import deepspeed
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        broadcasts_bytes = "view(torch.uint8)" in inspect.getsource(DeepSpeedEngine._broadcast_model)
+        if "view(torch.uint8)" not in inspect.getsource(DeepSpeedEngine._broadcast_model):
+            return None
     except (ImportError, AttributeError, OSError, TypeError):
-        return None
-    if not broadcasts_bytes:
         return None
     return (
         f"DeepSpeed {deepspeed.__version__} cannot start on {type(model).__name__}: its engine broadcasts every "
@@ -110,11 +109,9 @@ def deepspeed_version() -> tuple[int, ...]:
     """The installed DeepSpeed's release, `(major, minor, patch)`."""
     import deepspeed
 
-    parts = []
-    for part in deepspeed.__version__.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+    # The digits of each part, the local version after `+` left out; a part without any digit counts as 0.
+    parts = deepspeed.__version__.split("+")[0].split(".")[:3]
+    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
 
 
 def sequence_shards(batches: list[dict], end, sp_size: int, warn_once) -> None:

@@ -40,16 +40,6 @@ def saved_world_size(folder: str) -> int:
     return len(glob.glob(os.path.join(folder, "*_optim_states.pt")))
 
 
-def _read_partitions(folder: str) -> tuple[list[dict], list]:
-    """Every rank's ZeRO optimizer file (in rank order) and the model-state files' description of the parameters."""
-    from deepspeed.utils import zero_to_fp32
-
-    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(folder))
-    files = zero_to_fp32.get_optim_files(folder)
-    optimizers = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
-    return optimizers, model_states
-
-
 def _group_states(optimizer: dict) -> list[dict]:
     """The inner optimizer's state of each flat group (ZeRO 1/2) or sub-group (ZeRO-3), in group order."""
     inner = optimizer.get("base_optimizer_state") or optimizer.get("optimizer_state_dict")
@@ -83,10 +73,12 @@ def _whole_states(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[
     optimizer's step count, every one whole; every rank's files read once."""
     from deepspeed.utils import zero_to_fp32
 
-    optimizers, model_states = _read_partitions(folder)
-    masters = zero_to_fp32.SINGLE_PARTITION_OF_FP32_GROUPS
-    if int(optimizers[0]["zero_stage"]) > 2:
-        masters = zero_to_fp32.FP32_FLAT_GROUPS
+    # Every rank's ZeRO optimizer file (in rank order) and the model-state files' description of the parameters.
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(folder))
+    files = zero_to_fp32.get_optim_files(folder)
+    optimizers = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
+    stage3 = int(optimizers[0]["zero_stage"]) > 2
+    masters = zero_to_fp32.FP32_FLAT_GROUPS if stage3 else zero_to_fp32.SINGLE_PARTITION_OF_FP32_GROUPS
     weights = _whole([optimizer[masters] for optimizer in optimizers], optimizers, model_states)
     groups = [_group_states(optimizer) for optimizer in optimizers]
     keys = [k for k, v in groups[0][0].items() if torch.is_tensor(v) and v.dim() == 1]
@@ -105,9 +97,7 @@ def _with_state_keys(engine, keys: list[str], step, stage3: bool) -> None:
     flats = optimizer.fp32_partitioned_groups_flat if stage3 else optimizer.single_partition_of_fp32_groups
     for flat in flats:
         state = optimizer.optimizer.state[flat]
-        for key in keys:
-            if key not in state:
-                state[key] = torch.zeros_like(flat)
+        state.update({key: torch.zeros_like(flat) for key in keys if key not in state})
         if step is not None:
             state["step"] = step.clone() if torch.is_tensor(step) else step
     if not stage3:
