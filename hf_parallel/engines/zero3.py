@@ -49,18 +49,16 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     import deepspeed
 
     keep = not dist.is_initialized() or dist.get_rank() == 0
-    full: dict[str, torch.Tensor] = {}
+    state = model.state_dict(keep_vars=True)
     copies: dict[int, torch.Tensor | None] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for value in state.values():
         if id(value) not in copies:
             if hasattr(value, "ds_id"):
                 with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
                     copies[id(value)] = value.detach().cpu().clone() if keep else None
             else:
                 copies[id(value)] = value.detach().cpu() if keep else None
-        if keep:
-            full[name] = copies[id(value)]
-    return full
+    return {name: copies[id(value)] for name, value in state.items()} if keep else {}
 
 
 _ARRIVALS: dict[str, int] = {}

@@ -47,9 +47,8 @@ class CheckpointOverrides:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # A sharded model's optimizer state into any layout, a plain run's into a sharded model; else stock's.
-        if checkpoint is None or self.is_deepspeed_enabled:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        groups = load_optimizer_any_layout(self.model, self.optimizer, checkpoint)
+        skip = checkpoint is None or self.is_deepspeed_enabled
+        groups = None if skip else load_optimizer_any_layout(self.model, self.optimizer, checkpoint)
         if groups is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
