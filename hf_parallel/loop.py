@@ -42,7 +42,6 @@ from torch import nn
 
 from .engines.deepspeed import check_loop_engine, mark_boundary
 from .exact import (
-    REAL_ROWS_KEY,
     EpochEnd,
     ExactLoss,
     LoopPadding,
@@ -221,8 +220,9 @@ class ExactLoop:
                         stock.append(_stock_loss(model(**batch)).detach().float())  # the fallback: mean of means
                         continue
                     end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
-                    batch = padding.mark(head, [dict(batch)], end)[0]
-                    micro_batch_loss(self.exact, model, head, batch, None, self.run_context())
+                    real = padding.mark(head, [batch], end)
+                    context = self.run_context()
+                    micro_batch_loss(self.exact, model, head, batch, None, context, real=real[0] if real else None)
         finally:
             exact = self.exact.evaluation.finish(self.exact.engine)
             model.train(was_training)
@@ -311,7 +311,7 @@ class LoopStep:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
             value = _stock_loss(model(**batch)) / len(self.batches)
         else:
-            # The step's own copy of the batch: marked where it holds padding rows.
+            # The step's batch (the step knows its padding rows, where an epoch's end added some).
             value, _ = micro_batch_loss(exact, model, head, self.batches[index], self._counts, loop.run_context())
         self._done[index] = value.detach()
         return value * loop.backward_divides_by
@@ -319,10 +319,10 @@ class LoopStep:
     def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
         loop = self.loop
         loop.run_on(model)
-        self.batches = self._padding.mark(head, [dict(batch) for batch in self.batches], self._end)
+        real_rows = self._padding.mark(head, self.batches, self._end)
         device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
-        return count_step(loop.exact, head, self.batches, device, main_input_name, model)
+        return count_step(loop.exact, head, self.batches, device, main_input_name, model, real_rows=real_rows)
 
     def _index_of(self, batch: dict) -> int:
         for index, own in enumerate(self.batches):
@@ -377,6 +377,6 @@ def _to_device(batch: Any, device) -> Any:
 
 def _same_labels(own: dict, batch: dict) -> bool:
     """The same micro-batch, in another dict: its tensors are the very same objects (moved nowhere)."""
-    if not isinstance(batch, dict) or own.keys() - {REAL_ROWS_KEY} != batch.keys() - {REAL_ROWS_KEY}:
+    if not isinstance(batch, dict) or own.keys() != batch.keys():
         return False
     return all(own[key] is batch[key] for key in batch if torch.is_tensor(batch[key]))

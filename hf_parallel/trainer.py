@@ -162,6 +162,7 @@ class ExactLossOverrides:
             self.exact.labels_present(head, batch_samples)  # warns where a batch lacks the head's labels
             return None
         prepared = head.before_count(self, batch_samples) if head.route is Route.TRAINER_LOSS else batch_samples
+        real_rows: tuple[int | None, ...] = ()
         if prepared is not batch_samples:
             # Made by the subclass (GRPO's completions, the items), each handed to its micro-batch; from whole
             # generation batches, which TRL's sampler deals to every rank: an epoch ends without padding.
@@ -171,13 +172,15 @@ class ExactLossOverrides:
             # A user loss sees whole batches, padding too.
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
-            self.exact.mark_padding(head, batch_samples, end, data_rank, pads)
+            last = self.exact.padded_rows(head, batch_samples, end, data_rank, pads)
+            real_rows = () if last is None else (None,) * (len(batch_samples) - 1) + (last,)
         model, name = self.model_wrapped, self._run_context.main_input_name
         # A subclass's own loss is its own judge: no check against the model's.
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
-        step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled)
+        step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled, real_rows)
         if head.route is Route.TRAINER_LOSS:  # what its micro-batches take of the step (an epoch's repeats left out)
-            shared = head.step_shared(self, step.counts, real_batches(head, batch_samples), engine.add_counts)
+            real = real_batches(head, batch_samples, real_rows)
+            shared = head.step_shared(self, step.counts, real, engine.add_counts)
             step = replace(step, shared=shared)
         if step.settled:
             self._settled_head = head
@@ -288,15 +291,18 @@ class ExactLossOverrides:
             count = num_items_in_batch
             with stock_replica_precision(model, self.accelerator.mixed_precision):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
+        real = None
         if step is None and self.exact.evaluation.running:
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             accelerator = self.accelerator
             data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
-            inputs = self.exact.mark_evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
+            real = self.exact.evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
         if self._run_context is None:  # compute_loss called outside train() and evaluate()
             self._pick_engine()
         context = self._run_context
-        loss, outputs = micro_batch_loss(self.exact, model, head, inputs, step, context, return_outputs=return_outputs)
+        loss, outputs = micro_batch_loss(
+            self.exact, model, head, inputs, step, context, return_outputs=return_outputs, real=real
+        )
         if step is not None:
             loss = self.exact.engine.as_logged(loss)
         return _loss_and_outputs(loss, outputs, return_outputs)

@@ -67,7 +67,6 @@ from .heads.contrastive import rows_of
 from .heads.router import RouterBalance, router_balance_of
 from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, TrainerLossHooks, trainer_loss_head
 from .remainder import (
-    REAL_ROWS_KEY,
     EpochEnd,
     LoopPadding,
     SamplerPadding,
@@ -93,7 +92,6 @@ __all__ = [
     "AUTOCAST_DTYPES",
     "IGNORE_INDEX",
     "MAX_CHECKS",
-    "REAL_ROWS_KEY",
     "CrossEntropyHead",
     "Engine",
     "EpochEnd",

@@ -20,7 +20,7 @@ replica and rank, so that all keep the same head:
 from hf_parallel.exact.check import ModelLossCheck
 
 check = ModelLossCheck()
-candidates = check.pending(head, key, inputs)  # None: decided already
+candidates = check.pending(head, key)  # None: decided already
 # ... the forward, then `replica_check` in each replica (hf_parallel.exact.compare), gathered ...
 settled = check.settle(candidates, key, model, gathered)  # settled.head: the head to keep, or None (stock)
 ```
@@ -39,7 +39,6 @@ from torch import nn
 from .compare import ReplicaCheck, candidate_heads
 from .heads import LossHead, Route, routed
 from .heads.decoder import DecoderInputsWatch, keeping_labels_in_forward, needs_decoder_inputs, watch_decoder
-from .remainder import REAL_ROWS_KEY
 
 __all__ = ["MAX_CHECKS", "ModelLossCheck", "Settlement", "Verdict", "Votes", "decide"]
 
@@ -166,15 +165,15 @@ class ModelLossCheck:
         """In a checked forward (any replica's thread): a candidate's loss could not be computed, and why."""
         self._mismatches.append(reason)
 
-    def pending(self, head: LossHead | None, key: tuple, inputs: dict) -> tuple[LossHead, ...] | None:
+    def pending(self, head: LossHead | None, key: tuple, padded: bool = False) -> tuple[LossHead, ...] | None:
         """
-        The candidate heads to compare with the model's own loss in the forward of `inputs` (the model then gets the
-        labels), or None: decided already, no head, a user loss (its own judge), or padding rows the model's loss
-        would count (a cross-entropy's padding targets are masked, any other head's are not).
+        The candidate heads to compare with the model's own loss in the next forward (the model then gets the labels),
+        or None: decided already, no head, a user loss (its own judge), or a batch with `padded` rows (an epoch's)
+        the model's loss would count (a cross-entropy's padding targets are masked, any other head's are not).
         """
         if head is None or head.route is Route.USER_LOSS or self._checks.get(key, 0) < 0:
             return None
-        return None if REAL_ROWS_KEY in inputs and not head.ignore_index_items else candidate_heads(head)
+        return None if padded and not head.ignore_index_items else candidate_heads(head)
 
     def decided(self, key: tuple) -> bool:
         """Whether the check of the model of `key` is decided (or never started)."""

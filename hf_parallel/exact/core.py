@@ -26,7 +26,7 @@ from .evaluation import Evaluation
 from .fallback import FALLBACK_NOTE
 from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
-from .remainder import EpochEnd, epoch_end, mark_padding
+from .remainder import EpochEnd, epoch_end, padded_rows
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, counting_head, resolve_head
 from .terms import Terms, chosen_terms
 
@@ -204,41 +204,43 @@ class ExactLoss:
         self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
         return False
 
-    def mark_evaluation_padding(self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool):
+    def evaluation_padding(
+        self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool
+    ) -> int | None:
         """
-        A copy of the last evaluation batch under DDP with the rows accelerate repeated to fill it marked as padding,
-        for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
-        forward, from which gathering cannot drop them afterwards. Their targets are masked, so the recomputed rows
-        are 0 too. Under tensor parallelism (nothing is gathered) for every head. `inputs` itself for any other head,
-        and without DDP. A Trainer subclass's head may say where the set ends (GRPO's, whose sampler gives each prompt
+        How many leading rows of the last evaluation batch under DDP are real where accelerate repeated rows to fill
+        it, for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
+        forward, from which gathering cannot drop them afterwards (their targets are masked, so the recomputed rows
+        are 0 too). Under tensor parallelism (nothing is gathered) for every head. None for any other head, and
+        without DDP. A Trainer subclass's head may say where the set ends (GRPO's, whose sampler gives each prompt
         several times where accelerate counts the prompts).
         """
         if self.num_processes == 1 or (
             not head.ignore_index_items and head.route is not Route.TRAINER_LOSS and self.engine.data_replicas == 1
         ):
-            return inputs
+            return None
         end = epoch_end(gradient_state)
         if end is not None and head.route is Route.TRAINER_LOSS:  # where the subclass's own sampler ends the set
             end = EpochEnd(head.evaluation_remainder(gradient_state.active_dataloader, end.remainder))
-        inputs = dict(inputs)
-        self.mark_padding(head, [inputs], end, process_index, pads)
-        return inputs
+        return self.padded_rows(head, [inputs], end, process_index, pads)
 
-    def mark_padding(
+    def padded_rows(
         self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
-    ) -> None:
-        """Mark the padding rows of an epoch's last batch (`hf_parallel.exact.remainder.mark_padding`)."""
-        if self.num_processes > 1:
-            mark_padding(head, batches, end, process_index, pads, self.warn_once)
+    ) -> int | None:
+        """The real rows of an epoch's last batch, where padded (`hf_parallel.exact.remainder.padded_rows`)."""
+        if self.num_processes == 1:
+            return None
+        return padded_rows(head, batches, end, process_index, pads, self.warn_once)
 
     def forget_head(self, model: nn.Module) -> None:
         """The stock loss for `model` from now on (a check found its loss is not the head's; the caller warns)."""
         self._heads[self.key(model)] = (model, None)
 
     # ---- The check of the head against the model's own loss (hf_parallel.exact.check) ----
-    def pending_check(self, head: LossHead | None, model: nn.Module, inputs: dict) -> tuple[LossHead, ...] | None:
-        """The candidate heads the forward of `inputs` checks `model`'s head with, or None (see `ModelLossCheck`)."""
-        return self.check.pending(head, self.key(model, None), inputs)
+    def pending_check(self, head: LossHead | None, model: nn.Module, padded: bool) -> tuple[LossHead, ...] | None:
+        """The candidate heads the next forward (of a batch with `padded` rows or not) checks `model`'s head with, or
+        None (see `ModelLossCheck.pending`)."""
+        return self.check.pending(head, self.key(model, None), padded)
 
     def watching_decoder(self, candidates: tuple[LossHead, ...] | None, model: nn.Module, inputs: dict):
         """Around a checked forward: what the decoder of `model` (out of its wrappers) is given."""

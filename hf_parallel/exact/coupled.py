@@ -37,7 +37,6 @@ loss, _ = micro_batch_loss(exact, clip_model, head, batch, step, RunContext())  
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +44,8 @@ import torch
 from torch import nn
 
 from .compare import tolerance
+from .heads.base import index_in_step
 from .heads.contrastive import ContrastiveHead
-from .remainder import REAL_ROWS_KEY
 from .replicas import run_in_replicas
 
 __all__ = ["CONTRASTIVE_NEGATIVES", "contrastive_loss"]
@@ -85,17 +84,20 @@ def _embed(head: ContrastiveHead, check: bool, source: Any, run, inputs: dict, l
     return text, other, own, recomputed
 
 
-def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dict, step, context, return_outputs):
+def contrastive_loss(
+    exact, model: nn.Module, head: ContrastiveHead, inputs: dict, step, context, return_outputs, real
+):
     """
     The loss of one micro-batch of a contrastive model: that of the whole step's rows, over every device (training:
     its share, `loss / G` per micro-batch, with the gradient of the whole step), or of this batch over every device
-    (evaluation: its loss added to the evaluation totals, their mean over batches at the end). Returns the loss and
-    the outputs (the two embeddings of this forward's rows) when `return_outputs`.
+    (evaluation: its loss added to the evaluation totals, their mean over batches at the end). Its rows from `real` on
+    (an epoch's padding) are left out. Returns the loss and the outputs (the two embeddings of this forward's rows)
+    when `return_outputs`.
     """
     owner = model if context.owner is None else context.owner
     source = exact.unwrap(owner)
     state = exact.coupled.setdefault(exact.key(owner), {"checked": False, "cache": None})
-    batch, real = _model_inputs(inputs)
+    batch = _model_inputs(inputs)
     micro_batches = step.micro_batches if step is not None else 1
     if micro_batches > 1 and exact.contrastive_negatives == "step":
         return _second_pass(
@@ -129,11 +131,9 @@ def contrastive_loss(exact, model: nn.Module, head: ContrastiveHead, inputs: dic
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
 
 
-def _model_inputs(inputs: dict) -> tuple[dict, int | None]:
-    """The model's inputs without `return_loss` and the padding mark, and how many leading rows are real."""
-    real = inputs.get(REAL_ROWS_KEY)
-    batch = {key: value for key, value in inputs.items() if key not in ("return_loss", REAL_ROWS_KEY)}
-    return batch, (int(real) if real is not None else None)
+def _model_inputs(inputs: dict) -> dict:
+    """The model's inputs without `return_loss`."""
+    return {key: value for key, value in inputs.items() if key != "return_loss"}
 
 
 def _forward(exact, model, head, batch, context, check: bool, source) -> tuple[torch.Tensor, ...]:
@@ -211,23 +211,6 @@ def _set_random_state(state: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _index_in_step(batches: list[dict], inputs: dict) -> int:
-    """Which of the step's micro-batches `inputs` is: the one holding the same tensors (or equal ones)."""
-    tensors = [(key, value) for key, value in inputs.items() if torch.is_tensor(value) and key != "return_loss"]
-    for same in (operator.is_, _equal):
-        for index, batch in enumerate(batches):
-            if all(same(batch.get(key), value) for key, value in tensors):
-                return index
-    raise ValueError(
-        "contrastive loss: this micro-batch is not one of the step's counted micro-batches, so the step's first pass "
-        "has no gradient for it. Pass the step's batches unchanged."
-    )
-
-
-def _equal(own: Any, given: torch.Tensor) -> bool:
-    return torch.is_tensor(own) and own.shape == given.shape and torch.equal(own.to(given.device), given)
-
-
 def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cache | None:
     """Embed every micro-batch of the step without gradient, then the whole step's loss and its gradients (None: the
     check fell back to the stock loss)."""
@@ -235,9 +218,9 @@ def _first_pass(exact, model, owner, source, head, step, context, state) -> _Cac
     if not batches:
         raise RuntimeError("contrastive loss: the step's micro-batches were not counted (`count_step`).")
     random_states, texts, others = [], [], []
-    for batch in batches:
+    for batch, real in zip(batches, step.real_rows or (None,) * len(batches), strict=True):
         random_states.append(_random_state())
-        inputs, real = _model_inputs(batch)
+        inputs = _model_inputs(batch)
         check = not state["checked"]
         with torch.no_grad():
             text, other, own, recomputed = _forward(exact, model, head, inputs, context, check, source)
@@ -268,7 +251,7 @@ def _second_pass(exact, model, owner, source, head, inputs, batch, real, step, c
         if cache is None:  # the check fell back: this micro-batch's own loss, as stock
             text, other, own, _ = _forward(exact, model, head, batch, context, True, source)
             return own.mean() / step.micro_batches, _outputs(head, text, other, return_outputs)
-    index = _index_in_step(step.batches, inputs)
+    index = index_in_step(step.batches, inputs, "contrastive loss")
     _set_random_state(cache.random_states[index])
     text, other, _, _ = _forward(exact, model, head, batch, context, False, source)
     text_gradient, other_gradient = cache.gradients[index]

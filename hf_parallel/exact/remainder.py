@@ -11,8 +11,8 @@ iterable ones whose batches rank 0 dispatches (the remainder is the size of the 
 datasets each rank reads itself (`dispatch_batches=False`) accelerate does not know it, and the samples are counted
 instead (`hf_parallel.exact.streams`); without that count (dataloader worker processes) they train as stock does.
 
-The Trainer marks a padded batch with `REAL_ROWS_KEY` (the count of its leading real samples); `ExactLoss` then
-counts and sums those samples only.
+The step keeps how many leading samples of each padded micro-batch are real (`StepCounts.real_rows`; an evaluation
+batch's is handed to its loss): the counts and sums take those samples only. The batches themselves carry no mark.
 
 A packed batch (`DataCollatorWithFlattening`: one row holding several sequences, each restarting its
 `position_ids` at 0) is a batch of samples too: its samples are told apart by their position ids, so that padding
@@ -29,20 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DistributedSampler
 
-from .heads import IGNORE_INDEX, REAL_ROWS_KEY
+from .heads import IGNORE_INDEX
 from .heads.base import packed_sample_ids, sample_ids_of
 from .heads.contrastive import rows_of
 from .streams import count_samples, stream_remainder
 
 __all__ = [
-    "REAL_ROWS_KEY",
     "TARGET_KEYS",
     "EpochEnd",
     "LoopPadding",
     "SamplerPadding",
     "epoch_end",
     "first_rows",
-    "mark_padding",
+    "padded_rows",
     "mask_padding",
     "packed_sample_ids",
     "real_rows",
@@ -142,13 +141,11 @@ def real_samples(head, batch: dict, real: int, cut: bool = False) -> dict:
     return {key: cut(value) for key, value in batch.items()}
 
 
-def real_batches(head, batches: list[dict]) -> list[dict]:
-    """`batches` cut to their real samples (`real_samples`, rows cut), the padding mark taken out; a batch of an
-    epoch's repeated samples alone dropped."""
+def real_batches(head, batches: list[dict], real_rows: tuple[int | None, ...] = ()) -> list[dict]:
+    """`batches` cut to their real samples (`real_samples`, rows cut; `real_rows` per batch, none padded where empty);
+    a batch of an epoch's repeated samples alone dropped."""
     real = []
-    for batch in batches:
-        batch = dict(batch)
-        rows = batch.pop(REAL_ROWS_KEY, None)
+    for batch, rows in zip(batches, real_rows or (None,) * len(batches), strict=True):
         if rows is None or rows > 0:
             real.append(batch if rows is None else real_samples(head, batch, rows, cut=True))
     return real
@@ -195,12 +192,12 @@ def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> 
     return int(sample_ids.max()) + 1 if sample_ids is not None else len(batch[label_key])
 
 
-def mark_padding(
+def padded_rows(
     head, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool, warn_once: Callable[[str], None]
-) -> None:
+) -> int | None:
     """
-    Mark the padding rows of an epoch's last batch (see `hf_parallel.exact.remainder`), so that they are left out
-    of the counts and sums.
+    How many leading samples of the last of `batches` are real where an epoch's end padded it (see
+    `hf_parallel.exact.remainder`), so that the rest is left out of the counts and sums; None where none is padding.
 
     Args:
         head (`LossHead`): the step's head.
@@ -212,7 +209,7 @@ def mark_padding(
         warn_once (`Callable`): warns once per message (an iterable set whose samples could not be counted).
     """
     if end is None or not (pads or end.counted) or not batches:
-        return
+        return None
     if end.remainder < 0:
         warn_once(
             "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
@@ -220,23 +217,22 @@ def mark_padding(
             "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
             "rank 0 dispatch the batches."
         )
-        return
+        return None
     last = batches[-1]
     if head.label_keys:
         samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
     else:  # a contrastive or preference batch, without labels
         samples = rows_of(last) // head.rows_per_sample
     real = real_rows(samples, end.remainder, process_index)
-    if real is not None and real < samples:
-        last[REAL_ROWS_KEY] = real
+    return real if real is not None and real < samples else None
 
 
 class SamplerPadding:
     """
     The samples a `DistributedSampler` repeats to give every rank as many (`drop_last=False`): the padded index list
     is dealt out round-robin, so rank r's real samples are the first ceil((N - r) / W) it reads in an epoch.
-    `mark` marks the padding rows of each micro-batch (`REAL_ROWS_KEY`) as they come (a hand-written loop's
-    dataloader, which accelerate did not prepare).
+    `mark` tells the real samples of each micro-batch as they come (a hand-written loop's dataloader, which
+    accelerate did not prepare).
     """
 
     def __init__(self, dataloader, rank: int, world: int):
@@ -248,20 +244,20 @@ class SamplerPadding:
             self.real = max(0, math.ceil((len(sampler.dataset) - rank) / world))
         self.seen = 0
 
-    def mark(self, head, batches: list[dict]) -> None:
-        if self.real is None:
-            return
+    def mark(self, head, batches: list[dict]) -> list[int | None]:
+        """Per batch, how many of its leading samples are real; None where all are."""
+        marks = []
         for batch in batches:
             rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
-            real = min(rows, max(0, self.real - self.seen))
+            real = rows if self.real is None else min(rows, max(0, self.real - self.seen))
             self.seen += rows
-            if real < rows:
-                batch[REAL_ROWS_KEY] = real
+            marks.append(real if real < rows else None)
+        return marks
 
 
 class LoopPadding:
     """
-    The samples a hand-written loop's dataloader repeats, marked as padding (`REAL_ROWS_KEY`) as its batches come:
+    The samples a hand-written loop's dataloader repeats, told apart as its batches come:
     accelerate's, which fills the last global batch with rows from the epoch's start (`even_batches`) unless the
     dataloader drops it, in a dataloader accelerate prepared; a `DistributedSampler`'s otherwise (`SamplerPadding`).
     Under accelerate the samples of an iterable dataset each rank reads itself are counted first
@@ -276,12 +272,13 @@ class LoopPadding:
                 exact.warn_once(cannot)
         self.sampler = SamplerPadding(dataloader, process_index, num_processes)
 
-    def mark(self, head, batches: list[dict], end: EpochEnd | None) -> list[dict]:
-        """Mark the padding rows of `batches` (in place, the step's own dicts) and return them."""
+    def mark(self, head, batches: list[dict], end: EpochEnd | None) -> tuple[int | None, ...]:
+        """Per batch of `batches`, how many of its leading samples are real; empty where none is padding."""
         if self.accelerator is not None:
             loader = self.accelerator.gradient_state.active_dataloader
             pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
-            self.exact.mark_padding(head, batches, end, self.process_index, pads)
+            last = self.exact.padded_rows(head, batches, end, self.process_index, pads)
+            marks = [None] * (len(batches) - 1) + [last] if batches else []
         else:
-            self.sampler.mark(head, batches)
-        return batches
+            marks = self.sampler.mark(head, batches)
+        return tuple(marks) if any(mark is not None for mark in marks) else ()

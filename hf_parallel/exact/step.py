@@ -43,7 +43,7 @@ from .checked import CheckedForward
 from .compare import can_use_model_loss, candidate_heads, fused_outputs
 from .coupled import contrastive_loss
 from .heads import LossHead, Route
-from .heads.base import LOSS_CALL_KEY, REAL_ROWS_KEY, sample_ids_of, sequence_length
+from .heads.base import LOSS_CALL_KEY, index_in_step, sample_ids_of, sequence_length
 from .heads.decoder import decoder_input_ids, needs_decoder_inputs
 from .remainder import (
     TARGET_KEYS,
@@ -108,6 +108,8 @@ class StepCounts:
         head (`LossHead`, *optional*): the head counted; `settled` when no check can change it any more.
         shared (`torch.Tensor`, *optional*): a statistic of the whole step that every micro-batch's loss takes (KTO's
             KL reference point, `heads.trainers.KtoHead`).
+        real_rows (`tuple[int | None, ...]`, *optional*): where an epoch's end padded the step, per micro-batch how
+            many of its leading samples are real (None: all); empty where none is padding.
     """
 
     counts: torch.Tensor
@@ -120,6 +122,13 @@ class StepCounts:
     head: LossHead | None = None
     settled: bool = False
     shared: torch.Tensor | None = None
+    real_rows: tuple[int | None, ...] = ()
+
+    def real_rows_of(self, inputs: dict) -> int | None:
+        """How many leading samples of the micro-batch `inputs` (one of `batches`) are real; None: all of them."""
+        if not self.real_rows:
+            return None
+        return self.real_rows[index_in_step(self.batches, inputs, "exact_loss")]
 
     def for_head(self, head: LossHead | None) -> StepCounts:
         """The counts of `head`, one of the candidates the step was counted for (itself where there was one)."""
@@ -138,14 +147,15 @@ def count_step(
     model: nn.Module | None = None,
     owner: nn.Module | None = None,
     settled: bool = False,
+    real_rows: tuple[int | None, ...] = (),
 ) -> StepCounts:
     """
-    The item counts of a whole optimizer step: all `batches` of this rank, added over the engine's ranks (one
-    collective). While the check of the head of `owner` (the model whose head is cached; `model` when not given) is
-    open, every candidate head the check may settle on is counted too, in the same collective; `settled` says the
-    caller knows it concluded. With `model` (what the micro-batches run through) and a MoE router under gradient
-    accumulation, also the router statistics of the whole step (`router_balance="step"`: a forward of each micro-batch
-    without gradient).
+    The item counts of a whole optimizer step: all `batches` of this rank (where an epoch's end padded them, the real
+    samples alone: `real_rows`, per batch), added over the engine's ranks (one collective). While the check of the
+    head of `owner` (the model whose head is cached; `model` when not given) is open, every candidate head the check
+    may settle on is counted too, in the same collective; `settled` says the caller knows it concluded. With `model`
+    (what the micro-batches run through) and a MoE router under gradient accumulation, also the router statistics of
+    the whole step (`router_balance="step"`: a forward of each micro-batch without gradient).
     """
     owner = model if owner is None else owner
     # No check can change a user loss's head (its own judge), nor one whose check concluded.
@@ -153,11 +163,15 @@ def count_step(
         owner is not None and (head.route is Route.USER_LOSS or exact.check.concluded(exact.key(owner)))
     )
     candidates = (head,) if settled or head.route is Route.USER_LOSS else candidate_heads(head)
-    counts = [sum(_items(c, batch, main_input_name).to(device) for batch in batches) for c in candidates]
+    marks = real_rows or (None,) * len(batches)
+    counts = [
+        sum(_items(c, batch, main_input_name, real).to(device) for batch, real in zip(batches, marks, strict=True))
+        for c in candidates
+    ]
     counts = counts[0].unsqueeze(0) if len(counts) == 1 else torch.stack(counts)
     router = None
     if model is not None and head.router is not None and len(batches) > 1 and exact.router_balance == "step":
-        router = _router_step(exact, head, model, batches, counts.device)
+        router = _router_step(exact, head, model, batches, marks, counts.device)
     # C must be the count of the whole step on every rank; and DDP averages gradients over ranks, so each rank
     # scales its S / C by the engine's factor (the world size: the sum over ranks of S_r / C is the exact loss).
     engine = exact.engine
@@ -165,16 +179,26 @@ def count_step(
     by_shift = {c.shift: count for c, count in zip(candidates, counts, strict=True)} if len(candidates) > 1 else None
     factor = engine.gradient_factor
     return StepCounts(
-        counts[0], counts[0].sum(), factor, len(batches), router, tuple(batches), by_shift, head=head, settled=settled
+        counts[0],
+        counts[0].sum(),
+        factor,
+        len(batches),
+        router,
+        tuple(batches),
+        by_shift,
+        head=head,
+        settled=settled,
+        real_rows=tuple(real_rows),
     )
 
 
-def _items(head: LossHead, batch: dict, main_input_name: str) -> torch.Tensor:
-    """A batch's item counts per term, the padding rows marked in it (`REAL_ROWS_KEY`) left out."""
+def _items(head: LossHead, batch: dict, main_input_name: str, real: int | None) -> torch.Tensor:
+    """A batch's item counts per term, its samples from `real` on (an epoch's padding) left out."""
     seq_len = sequence_length(batch, main_input_name)
-    real = batch.get(REAL_ROWS_KEY)
-    if real is None or not head.label_keys:  # a head without labels (contrastive) counts its real rows itself
+    if real is None:
         return head.count(batch, seq_len)
+    if not head.label_keys:  # a head without labels (contrastive, a Trainer subclass's): its real rows cut out
+        return head.count(real_samples(head, batch, real, cut=True), seq_len) * (real > 0)
     # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
     sample_ids = sample_ids_of(head, batch)
     if head.ignore_index_items:
@@ -217,6 +241,7 @@ def micro_batch_loss(
     context: RunContext,
     *,
     return_outputs: bool = False,
+    real: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """
     The exact loss of one micro-batch (S / C of the step in training, `step` given; S / C of the batch in evaluation,
@@ -231,15 +256,20 @@ def micro_batch_loss(
         step (`StepCounts`, *optional*): the counts of the whole optimizer step (`count_step`); None in evaluation.
         context (`RunContext`): what stays the same over the run.
         return_outputs (`bool`, *optional*): return the outputs too.
+        real (`int`, *optional*): in evaluation, how many leading samples of the batch are real (an epoch's last
+            batch under DDP, which accelerate filled with repeated ones); in training the step knows
+            (`StepCounts.real_rows`).
     """
+    if step is not None and step.real_rows:  # the step's padded micro-batch, found by its tensors
+        real = step.real_rows_of(inputs)
     if head.batch_coupled:
         # Each row's loss depends on the others of the batch: computed on the whole step's embeddings.
-        return contrastive_loss(exact, model, head, inputs, step, context, return_outputs)
+        return contrastive_loss(exact, model, head, inputs, step, context, return_outputs, real)
     if head.route is Route.TRAINER_LOSS:
-        return _trainer_loss(exact, model, head, inputs, step, context, return_outputs)
+        return _trainer_loss(exact, model, head, inputs, step, context, return_outputs, real)
     owner = model if context.owner is None else context.owner
     checked = step is None or not step.settled
-    candidates = exact.pending_check(head, owner, inputs) if checked else None
+    candidates = exact.pending_check(head, owner, real is not None) if checked else None
     if step is not None and step.by_shift is not None:
         step = step.for_head(head)  # counted for every head the check may settle on
     if "skip_logits" in inputs and (candidates is not None or head.route is not Route.MODEL_LOSS):
@@ -247,7 +277,7 @@ def micro_batch_loss(
         # compares the logits, and a recomputed loss is made of them.
         inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
     keeps_labels = candidates is not None or head.route is Route.MODEL_LOSS
-    inputs, labels = split_labels(head, inputs, model, not keeps_labels, exact.unwrap)
+    inputs, labels = split_labels(head, inputs, model, not keeps_labels, exact.unwrap, real)
     user_loss = head.route is Route.USER_LOSS and context.loss_func is not None
     total = None
     if user_loss:  # the count a user loss divides by: the step's, or the batch's in evaluation
@@ -255,7 +285,7 @@ def micro_batch_loss(
         total = step.total if step is not None else head.count(labels, seq_len).sum()
     replicas = exact.engine.replicas
     keep = return_outputs and (exact.evaluation.outputs_wanted or not replicas)
-    run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=replicas)
+    run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=replicas, real=real)
     watching = candidates is not None or head.loss_call is not None
     with _watching(exact, head, candidates, model, inputs) if watching else contextlib.nullcontext() as run.loss_call:
         if candidates is not None:
@@ -276,18 +306,17 @@ def micro_batch_loss(
     return reduce(exact, head, terms, step), outputs
 
 
-def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, return_outputs: bool):
+def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, return_outputs: bool, real):
     """
     A micro-batch's loss where a Trainer subclass computes it (`Route.TRAINER_LOSS`, TRL's trainers): its own
     `compute_loss` on the batch without an epoch's padding samples, given the step's count (the batch's in evaluation)
     as `num_items_in_batch`; the head makes S of it, reduced as every head's S.
     """
-    inputs = dict(inputs)
-    real = inputs.pop(REAL_ROWS_KEY, None)
     if real is not None:
         inputs = real_samples(head, inputs, real)
-    marked = inputs if real is None else {**inputs, REAL_ROWS_KEY: real}
-    items = head.count(marked, sequence_length(inputs, context.main_input_name))
+    items = head.count(inputs, sequence_length(inputs, context.main_input_name))
+    if real == 0:  # a batch of padding alone, kept whole for its forward
+        items = items * 0
     count = step.total if step is not None else items.sum()
     if head.router is not None:
         inputs = {**inputs, "output_router_logits": True}
@@ -343,20 +372,23 @@ def _watching(exact, head: LossHead, candidates, model: nn.Module, inputs: dict)
 
 
 def split_labels(
-    head: LossHead, inputs: dict, model: nn.Module, build_decoder_inputs: bool = True, unwrap: Callable = lambda m: m
+    head: LossHead,
+    inputs: dict,
+    model: nn.Module,
+    build_decoder_inputs: bool = True,
+    unwrap: Callable = lambda m: m,
+    real: int | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """
-    A copy of `inputs` without the labels, and the labels (the padding rows of an epoch's last step, marked, masked in
+    A copy of `inputs` without the labels, and the labels (the samples from `real` on, an epoch's padding, masked in
     a cross-entropy's targets); decoder inputs built when `model` (taken out of its wrappers by `unwrap`, only then)
     needs them, unless `build_decoder_inputs=False` (a forward that keeps the labels, where the model builds its own).
     """
     inputs = dict(inputs)  # the caller's dict keeps its labels
     labels = head.pop_labels(inputs)
-    if REAL_ROWS_KEY in inputs:
-        real = labels[REAL_ROWS_KEY] = inputs.pop(REAL_ROWS_KEY)
-        if head.ignore_index_items:
-            # Padding rows ignored in the targets themselves: also for a model that gets its labels.
-            labels = mask_padding(labels, TARGET_KEYS, real, sample_ids_of(head, inputs))
+    if real is not None and head.ignore_index_items:
+        # Padding rows ignored in the targets themselves: also for a model that gets its labels.
+        labels = mask_padding(labels, TARGET_KEYS, real, sample_ids_of(head, inputs))
     if build_decoder_inputs and head.builds_decoder_inputs and needs_decoder_inputs(head, inputs):
         # The model builds decoder inputs from the labels it no longer receives.
         inputs["decoder_input_ids"] = decoder_input_ids(unwrap(model), labels["labels"])
@@ -364,12 +396,12 @@ def split_labels(
 
 
 def model_labels(labels: dict) -> dict:
-    """The labels as the model takes them: without the padding mark of an epoch's last step, nor what a forward's
-    `LossCallWatch` recorded; labels a head packed by row (detection's `BoxTargets`) in the model's own form."""
+    """The labels as the model takes them: without what a forward's `LossCallWatch` recorded; labels a head packed by
+    row (detection's `BoxTargets`) in the model's own form."""
     return {
         key: value.for_model() if callable(getattr(value, "for_model", None)) else value
         for key, value in labels.items()
-        if key not in (REAL_ROWS_KEY, LOSS_CALL_KEY)
+        if key != LOSS_CALL_KEY
     }
 
 
@@ -386,10 +418,12 @@ class _Forward:
         total (`torch.Tensor`, *optional*): the count a user loss divides by; None without a user loss.
         keep (`bool`, *optional*): return the model's outputs (without their cache where `drop_cache`).
         drop_cache (`bool`, *optional*): drop the outputs' cache (a DataParallel gather would carry it).
+        real (`int`, *optional*): how many leading samples are real (an epoch's padding after them); None: all.
     """
 
-    def __init__(self, exact, head, step, context: RunContext, total=None, *, keep=False, drop_cache=False):
+    def __init__(self, exact, head, step, context: RunContext, total=None, *, keep=False, drop_cache=False, real=None):
         self.exact, self.head, self.step, self.context, self.total = exact, head, step, context, total
+        self.real = real
         self.loss_func = context.loss_func if total is not None else None
         self.keep, self.drop_cache = keep, drop_cache
         #: The watch on the model's loss call, for a head that declares one (`LossCallWatch`).
@@ -447,11 +481,12 @@ class _Forward:
                 terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
         if head.router is None:
             return terms
-        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.exact.evaluation.running))
+        running = self.exact.evaluation.running
+        return terms._replace(router=router_terms(head, outputs, labels, inputs, running, self.real))
 
     def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """`head`'s `[samples, terms]` sums and counts on these outputs (`sample_terms`), per sample in evaluation."""
-        return sample_terms(head, outputs, dict(labels), inputs, self.exact.evaluation.running)
+        return sample_terms(head, outputs, labels, inputs, self.exact.evaluation.running, self.real)
 
     @staticmethod
     def targets(labels: dict) -> dict:
@@ -481,14 +516,15 @@ def _model_terms(head: LossHead, outputs, labels: dict, seq_len: int | None, cou
     return Terms(sums, head.count(model_labels(labels), seq_len).to(sums.device).reshape(1, -1))
 
 
-def sample_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> tuple[torch.Tensor, ...]:
+def sample_terms(
+    head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool, real: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """
     Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row where
     `per_sample` (evaluation: training adds every sample up anyway, in one row, without counting the samples, which
-    would read a value off the device every micro-batch); the padding samples of an epoch's last step
-    (`REAL_ROWS_KEY`) add nothing, not to S, not to the gradient. `labels` loses that mark.
+    would read a value off the device every micro-batch); the samples from `real` on (an epoch's padding) add
+    nothing, not to S, not to the gradient.
     """
-    real = labels.pop(REAL_ROWS_KEY, None)
     sample_ids = sample_ids_of(head, inputs)
     if sample_ids is None:
         sums, counts = head.row_terms(outputs, labels)
@@ -528,9 +564,11 @@ def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torc
 
 
 # ---- A MoE router's term (`hf_parallel.exact.heads.router`), added to its head's ----
-def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool) -> torch.Tensor | None:
+def router_terms(
+    head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool, real: int | None = None
+) -> torch.Tensor | None:
     """
-    A MoE model's router statistics on this forward's rows, the padding rows of an epoch's last step left out:
+    A MoE model's router statistics on this forward's rows, the rows from `real` on (an epoch's padding) left out:
     `[1, 2E + 1]` in training, `[rows, 2E + 1]` where `per_sample` (evaluation); None for outputs without router
     logits.
     """
@@ -538,25 +576,25 @@ def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, per_sample
     stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
     if stats is None:
         return None
-    real = labels.get(REAL_ROWS_KEY)
     if real is not None:
         stats = stats.where(row_mask(rows, real, stats.device).reshape(-1, 1), 0)
     return stats if per_sample else stats.sum(0, keepdim=True)
 
 
-def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], device: torch.device) -> torch.Tensor:
+def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], marks, device) -> torch.Tensor:
     """The router statistics of the whole step, over every rank: a forward of each micro-batch without gradient, under
     the random state the training forwards then draw from again."""
     forward = exact.unwrap(model) if exact.engine.replicas else model  # a DataParallel's: on one device
     if head.route is Route.TRAINER_LOSS:
-        forward, batches = _backbone_forward(head, exact.unwrap(model), batches)
+        forward, batches = _backbone_forward(head, exact.unwrap(model), batches, marks)
+        marks = (None,) * len(batches)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
-        router = head.router.step_stats(forward, batches, head.label_keys, REAL_ROWS_KEY)
+        router = head.router.step_stats(forward, batches, head.label_keys, marks)
     return exact.engine.add_counts(router.to(device))
 
 
-def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict]) -> tuple[Callable, list[dict]]:
+def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict], marks) -> tuple[Callable, list[dict]]:
     """
     For a Trainer subclass's batches (TRL's: keys of its own beside the model's): a forward of the model's backbone,
     which holds the router, given the inputs it takes, and the batches cut to their real samples (an epoch's repeated
@@ -568,7 +606,7 @@ def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict]) -> 
     def forward(**inputs):
         return backbone(**{key: value for key, value in inputs.items() if key in accepted}, output_router_logits=True)
 
-    return forward, real_batches(head, batches)
+    return forward, real_batches(head, batches, marks)
 
 
 def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:

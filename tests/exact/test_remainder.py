@@ -48,10 +48,28 @@ def test_packed_rows_mask_the_padding_samples_of_a_row():
 
 
 def test_counts_leave_the_padding_rows_out():
+    """The step knows its padded micro-batch's real rows (`real_rows`); the batch itself carries no mark."""
     exact = ExactLoss()
-    batch = {"labels": torch.tensor([[1, 2, -100], [3, 4, 5]]), "hf_parallel_real_rows": 1}
-    assert count_step(exact, CrossEntropyHead(), [batch]).counts.tolist() == [2]  # row 1 is padding
-    qa = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4]), "hf_parallel_real_rows": 1}
+    batch = {"labels": torch.tensor([[1, 2, -100], [3, 4, 5]])}
+    step = count_step(exact, CrossEntropyHead(), [batch], real_rows=(1,))
+    assert step.counts.tolist() == [2]  # row 1 is padding
+    assert count_step(exact, CrossEntropyHead(), [batch]).counts.tolist() == [5]
+    assert list(batch) == ["labels"]
+    qa = {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4])}
     qa["attention_mask"] = torch.ones(2, 8)
-    assert count_step(exact, QuestionAnsweringHead(), [qa]).counts.tolist() == [1, 1]
+    assert count_step(exact, QuestionAnsweringHead(), [qa], real_rows=(1,)).counts.tolist() == [1, 1]
     assert first_rows(qa, ("start_positions",), 1)["start_positions"].tolist() == [1]
+
+
+def test_a_step_finds_its_padded_micro_batch_by_its_tensors():
+    """The micro-batch a loss is asked for is found among the step's by its tensors (the same ones, or equal ones on
+    another device, or a copy); one that is none of them is refused, naming the fix."""
+    exact = ExactLoss()
+    first, last = {"labels": torch.tensor([[1, 2, 3]])}, {"labels": torch.tensor([[4, 5, 6], [7, 8, 9]])}
+    step = count_step(exact, CrossEntropyHead(), [first, last], real_rows=(None, 1))
+    assert step.real_rows_of(dict(last)) == 1  # another dict, the same tensors (what the Trainer's preparation makes)
+    assert step.real_rows_of({"labels": last["labels"].clone()}) == 1  # a copy
+    assert step.real_rows_of(first) is None
+    with pytest.raises(ValueError, match="not one of the step's counted micro-batches"):
+        step.real_rows_of({"labels": torch.tensor([[0, 0, 0]])})
+    assert count_step(exact, CrossEntropyHead(), [first, last]).real_rows_of({"labels": torch.zeros(1)}) is None

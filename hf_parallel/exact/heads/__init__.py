@@ -32,7 +32,6 @@ How a head is used on one batch: the example in `tokens`' docstring.
 from .base import (
     IGNORE_INDEX,
     NO_GRAD_CHUNK_ELEMENTS,
-    REAL_ROWS_KEY,
     HeadFamily,
     HeadMismatch,
     LossHead,
@@ -63,7 +62,6 @@ __all__ = [
     "HEAD_FAMILIES",
     "IGNORE_INDEX",
     "NO_GRAD_CHUNK_ELEMENTS",
-    "REAL_ROWS_KEY",
     "CrossEntropyHead",
     "HeadFamily",
     "HeadMismatch",

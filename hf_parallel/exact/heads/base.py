@@ -12,6 +12,7 @@ import copy
 import enum
 import functools
 import inspect
+import operator
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -24,7 +25,6 @@ __all__ = [
     "IGNORE_INDEX",
     "LOSS_CALL_KEY",
     "NO_GRAD_CHUNK_ELEMENTS",
-    "REAL_ROWS_KEY",
     "HeadFamily",
     "HeadMismatch",
     "LossCall",
@@ -34,6 +34,7 @@ __all__ = [
     "Route",
     "UnsupportedHead",
     "class_names",
+    "index_in_step",
     "packed_sample_ids",
     "sample_ids_of",
     "routed",
@@ -41,9 +42,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-#: The batch key holding how many leading rows of a batch are real; the rest is padding accelerate added (a DDP
-#: epoch's last step: `hf_parallel.exact.remainder`).
-REAL_ROWS_KEY = "hf_parallel_real_rows"
 #: Logits entries per chunk of a per-position loss computed without autograd (64 MiB of float32).
 NO_GRAD_CHUNK_ELEMENTS = 2**24
 
@@ -149,6 +147,31 @@ def sequence_length(batch: dict, main_input_name: str = "input_ids") -> int | No
     """The sequence length of a batch, from its main input (or attention mask); None for inputs without one."""
     main = batch.get(main_input_name, batch.get("attention_mask"))
     return main.shape[1] if torch.is_tensor(main) and main.dim() > 1 else None
+
+
+def index_in_step(batches: tuple[dict, ...], inputs: dict, what: str) -> int:
+    """
+    Which of a step's micro-batches `inputs` is: the one holding the same tensors, or equal ones (a batch moved to
+    another device, or a copy); tensors whose dtype the Trainer changed (DeepSpeed's cast of floats) are not compared.
+    `what` names the caller in the error where `inputs` is none of them.
+    """
+    tensors = [(key, value) for key, value in inputs.items() if torch.is_tensor(value) and key != "return_loss"]
+    for same in (operator.is_, _equal):
+        for index, batch in enumerate(batches):
+            if all(same(batch.get(key), value) for key, value in tensors if _comparable(batch.get(key), value)):
+                return index
+    raise ValueError(
+        f"{what}: this micro-batch is not one of the step's counted micro-batches, so the step has nothing counted "
+        "for it. Pass the step's batches unchanged."
+    )
+
+
+def _comparable(own, given: torch.Tensor) -> bool:
+    return not torch.is_tensor(own) or own.dtype == given.dtype
+
+
+def _equal(own, given: torch.Tensor) -> bool:
+    return torch.is_tensor(own) and own.shape == given.shape and torch.equal(own.to(given.device), given)
 
 
 def packed_sample_ids(batch: dict) -> torch.Tensor | None:

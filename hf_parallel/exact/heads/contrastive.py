@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.trainer_pt_utils import find_batch_size
 
-from .base import REAL_ROWS_KEY, HeadFamily, LossHead, UnsupportedHead, class_names
+from .base import HeadFamily, LossHead, UnsupportedHead, class_names
 
 __all__ = ["CONTRASTIVE", "ContrastiveHead", "ContrastiveVariant", "contrastive_variant", "rows_of"]
 
@@ -134,9 +134,7 @@ class ContrastiveHead(LossHead):
         return bool(flag.all()) if torch.is_tensor(flag) else bool(flag)
 
     def count(self, labels: dict, seq_len: int | None = None) -> torch.Tensor:
-        rows = rows_of(labels)
-        real = labels.get(REAL_ROWS_KEY)
-        return torch.tensor([rows if real is None else min(rows, int(real))])
+        return torch.tensor([rows_of(labels)])
 
     def row_terms(self, outputs, labels):
         raise NotImplementedError("A contrastive loss is not a sum over rows: see hf_parallel.exact.coupled.")

@@ -117,18 +117,18 @@ class RouterBalance:
         scale = self.coef * self.experts / kept.to(probabilities.dtype).clamp(min=1).pow(2)
         return (assignments * probabilities).sum() * scale
 
-    def step_stats(self, forward, batches: list[dict], label_keys, real_rows_key: str) -> torch.Tensor:
+    def step_stats(self, forward, batches: list[dict], label_keys, real_rows) -> torch.Tensor:
         """
         `[E + 1]`: T and n of every micro-batch of a step (this rank's), from a forward of each without gradient, in
-        float64. `forward` runs one micro-batch (the model, its DDP / DeepSpeed wrapper); label keys and the padding
-        mark (`real_rows_key`: rows from there on are an epoch's padding) are left out of its inputs, and an LM asked
-        for the last position's logits only, where its forward takes `logits_to_keep`.
+        float64. `forward` runs one micro-batch (the model, its DDP / DeepSpeed wrapper); label keys are left out of
+        its inputs, and an LM asked for the last position's logits only, where its forward takes `logits_to_keep`.
+        `real_rows`, per batch: how many of its leading rows are real (an epoch's padding after them), or None.
         """
         parameters = inspect.signature(getattr(forward, "forward", forward)).parameters
         extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         total = torch.zeros(self.experts + 1, dtype=torch.float64)
-        left_out = {*label_keys, "shift_labels", real_rows_key}
-        for batch in batches:
+        left_out = {*label_keys, "shift_labels"}
+        for batch, real in zip(batches, real_rows, strict=True):
             inputs = {key: value for key, value in batch.items() if key not in left_out}
             with torch.no_grad():
                 outputs = forward(**inputs, **extra)
@@ -136,8 +136,7 @@ class RouterBalance:
             stats = self.row_stats(outputs, inputs.get("attention_mask"), rows)
             if stats is None:
                 raise HeadMismatch("the model returned no router logits in the step's first pass.")
-            real = batch.get(real_rows_key)
-            stats = stats[: int(real)] if real is not None else stats
+            stats = stats[:real] if real is not None else stats
             total = total + self.shared(stats.sum(0)).cpu()
         return total
 

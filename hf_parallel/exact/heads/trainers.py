@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ...upstream import temporarily
-from .base import REAL_ROWS_KEY, LossHead, Route
+from .base import LossHead, Route
 from .contrastive import rows_of
 from .router import RouterBalance, router_balance_of
 from .tokens import CrossEntropyHead
@@ -114,10 +114,8 @@ class SampleMeanHead(TrainerLossHooks, LossHead):
         self.rows_per_sample = rows_per_sample
 
     def count(self, batch: dict, seq_len: int | None = None) -> torch.Tensor:
-        """The samples of a batch, those an epoch's last step repeated (`REAL_ROWS_KEY`) left out."""
-        samples = rows_of(batch) // self.rows_per_sample
-        real = batch.get(REAL_ROWS_KEY)
-        return torch.tensor([samples if real is None else min(int(real), samples)])
+        """The samples of a batch (cut to its real ones by the step, where an epoch's end padded it)."""
+        return torch.tensor([rows_of(batch) // self.rows_per_sample])
 
 
 class PairsAndSftHead(SampleMeanHead):
@@ -272,13 +270,10 @@ class GenerationHead(TrainerLossHooks, LossHead):
 
     def count(self, batch: dict, seq_len: int | None = None) -> torch.Tensor:
         """
-        A prepared batch's completions, their tokens (those TRL's loss masks in), or completions x the length; of the
-        last evaluation batch under DDP, its real rows' (`REAL_ROWS_KEY`: accelerate's repeats of the set left out).
+        A prepared batch's completions, their tokens (those TRL's loss masks in), or completions x the length (of the
+        last evaluation batch under DDP, the step cut it to its real rows first: accelerate's repeats left out).
         """
         mask = batch["completion_mask"]
-        real = batch.get(REAL_ROWS_KEY)
-        if real is not None:
-            mask = mask[:real]
         rows = mask.shape[0]
         if self.items == "rows":
             return torch.tensor([rows])
