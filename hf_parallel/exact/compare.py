@@ -32,7 +32,7 @@ from torch import nn
 
 from ..saving.unwrap import unwrap_model
 from .heads import HeadMismatch, LossHead, Route
-from .resolve import _inside_adapters
+from .resolve import inside_adapters
 
 __all__ = [
     "PROBE_OFFSET",
@@ -94,7 +94,7 @@ def accepts_item_count(model: nn.Module) -> bool:
     Whether `model` (out of its wrappers) may be given `num_items_in_batch`: its `accepts_loss_kwargs` where it sets
     one, else whether its `forward` (an instance's own, as Liger patches it, or its class's) takes it or `**kwargs`.
     """
-    inner, _ = _inside_adapters(unwrap_model(model))  # PEFT: its forward passes **kwargs on to the model's
+    inner, _ = inside_adapters(unwrap_model(model))  # PEFT: its forward passes **kwargs on to the model's
     flag = getattr(inner, "accepts_loss_kwargs", None)
     if isinstance(flag, bool):
         return flag
@@ -284,26 +284,32 @@ def replica_check(
         mean = loss * (n / max(int(first[1].sum()), 1)) if honours[0, 0] == 1 else loss  # S / N: its mean is S / C
         losses[0, 0] = mean.detach().double()
     # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
-    graph_sums = None
-    if gradient_from_loss:
-        own_router = model_router_term(candidates[0], outputs)
-        cross_entropy = (loss if own_router is None else loss - own_router).float()  # a MoE model's: router term out
-        # Per candidate, the loss sum to back-propagate from the model's loss L: L times n where L is its sum divided
-        # by the count n it was given, else L times the items (its mean where it fits; a candidate that does not fit
-        # here is never chosen); without items a 0 on the graph of the logits (no row of this replica counts: no
-        # gradient, as one device gives none for them; still on the graph, so that a step without any item
-        # back-propagates; the model's mean loss over no items is NaN).
-        graph = []
-        for k, (_, candidate_counts) in enumerate(terms):
-            items = candidate_counts.sum()
-            if int(items) == 0:
-                graph.append(outputs["logits"].sum().float() * 0.0)
-            else:
-                graph.append(cross_entropy * (n if divided.get(k) else items.to(loss.device).float()))
-        graph_sums = torch.stack(graph).reshape(1, -1)  # [1, K]
+    graph_sums = _graph_sums(candidates[0], outputs, loss, terms, n, divided) if gradient_from_loss else None
     sums, counts = zip(*terms, strict=True)
     decoder = decoder.to(device) if decoder is not None else torch.full((1, 1), float("nan"), device=device)
     return ReplicaCheck(fits, losses, honours, decoder, mean.reshape(1), sums, counts, graph_sums)
+
+
+def _graph_sums(
+    head: LossHead, outputs, loss: torch.Tensor, terms: list, n: float | None, divided: dict
+) -> torch.Tensor:
+    """
+    `[1, K]`: per candidate, the loss sum to back-propagate from the model's loss L (a MoE model's router term taken
+    out): L times n where L is its sum divided by the count n it was given, else L times the items (its mean where it
+    fits; a candidate that does not fit here is never chosen); without items a 0 on the graph of the logits (no row of
+    this replica counts: no gradient, as one device gives none for them; still on the graph, so that a step without
+    any item back-propagates; the model's mean loss over no items is NaN).
+    """
+    own_router = model_router_term(head, outputs)
+    cross_entropy = (loss if own_router is None else loss - own_router).float()
+    graph = []
+    for k, (_, counts) in enumerate(terms):
+        items = counts.sum()
+        if int(items) == 0:
+            graph.append(outputs["logits"].sum().float() * 0.0)
+        else:
+            graph.append(cross_entropy * (n if divided.get(k) else items.to(loss.device).float()))
+    return torch.stack(graph).reshape(1, -1)
 
 
 def _compare(

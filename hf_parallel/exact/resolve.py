@@ -11,7 +11,15 @@ from torch import nn
 from .heads import HEAD_FAMILIES, CrossEntropyHead, HeadFamily, LossHead, ProblemTypeUnsettled, UnsupportedHead
 from .heads.router import router_balance_of, text_config
 
-__all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHead", "counting_head", "resolve_head"]
+__all__ = [
+    "HEAD_FAMILIES",
+    "HeadFamily",
+    "ProblemTypeUnsettled",
+    "UnsupportedHead",
+    "counting_head",
+    "inside_adapters",
+    "resolve_head",
+]
 
 # PEFT adapters that leave the sequence as it is: prefix tuning and cartridges add keys and values, not positions.
 # Every other prompt-learning adapter prepends virtual tokens to the input, so a decoder's logits have more
@@ -19,7 +27,7 @@ __all__ = ["HEAD_FAMILIES", "HeadFamily", "ProblemTypeUnsettled", "UnsupportedHe
 _SEQUENCE_KEEPING_PROMPTS = frozenset({"PREFIX_TUNING", "CARTRIDGE"})
 
 
-def _inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
+def inside_adapters(model: nn.Module) -> tuple[nn.Module, str | None]:
     """
     The transformers model inside a PEFT wrapper (LoRA, IA3, prefix tuning, ...), and the adapter type when it
     prepends virtual tokens to the input; the model itself and None for anything else.
@@ -74,7 +82,7 @@ def resolve_head(
     resolve_head(model)  # e.g. CrossEntropyHead(name='causal_lm', label_keys=('labels',))
     ```
     """
-    model, virtual_tokens = _inside_adapters(model)
+    model, virtual_tokens = inside_adapters(model)
     name = _class_name(model)
     config = getattr(model, "config", None)
     if config is None:

@@ -161,6 +161,21 @@ def _gather_and_write(
     return result
 
 
+def _checked_rows(dataset, batch_size: int, num_workers: int, pooling: str, dtype, output_file) -> int:
+    """The rows of `dataset`, once what would fail the same way on every process is rejected, before any starts."""
+    check_whole_number("batch_size", batch_size, 1)
+    check_whole_number("num_workers", num_workers, 0)
+    check_pooling(pooling)
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"dtype={dtype} is not supported; use one of {list(OUTPUT_DTYPES)}.")
+    if output_file is not None and Path(output_file).suffix not in OUTPUT_SUFFIXES:
+        raise ValueError(f"output_file={str(output_file)!r} must end in .npy or .safetensors.")
+    num_rows = len(dataset)
+    if num_rows == 0:
+        raise ValueError("The dataset is empty: there is nothing to embed.")
+    return num_rows
+
+
 def embed_dataset(
     model: nn.Module,
     dataset,
@@ -248,17 +263,7 @@ def embed_dataset(
     Launched with `accelerate launch --num_processes 2 script.py`, the same call embeds half the rows on each
     process and still returns all 5 rows, in order, on the main process.
     """
-    # Reject what would fail the same way on every process, before any process starts.
-    check_whole_number("batch_size", batch_size, 1)
-    check_whole_number("num_workers", num_workers, 0)
-    check_pooling(pooling)
-    if dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"dtype={dtype} is not supported; use one of {list(OUTPUT_DTYPES)}.")
-    if output_file is not None and Path(output_file).suffix not in OUTPUT_SUFFIXES:
-        raise ValueError(f"output_file={str(output_file)!r} must end in .npy or .safetensors.")
-    num_rows = len(dataset)
-    if num_rows == 0:
-        raise ValueError("The dataset is empty: there is nothing to embed.")
+    num_rows = _checked_rows(dataset, batch_size, num_workers, pooling, dtype, output_file)
     state = resolve_state(state)
     world, rank = state.num_processes, state.process_index
     if data_parallel and world > 1:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-from ...upstream import temporarily
 from .base import LossHead, Route
 from .contrastive import rows_of
 from .router import RouterBalance, router_balance_of
@@ -160,7 +159,7 @@ class PairsAndSftHead(SampleMeanHead):
         all_pairs, all_tokens = (float(n) for n in shared)
         weights = list(trainer.loss_weights)
         weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
-        with temporarily(trainer, "loss_weights", weights):
+        with _set_on(trainer, loss_weights=weights):
             yield inputs
 
 
@@ -236,11 +235,8 @@ class KtoHead(SampleMeanHead):
             value = shared.to(batch["KL_input_ids"].device).expand(rows)
             return value + batch["ref_KL_logps"] if trainer.precompute_ref_logps else value
 
-        trainer._compute_kl_logps = given
-        try:
+        with _set_on(trainer, _compute_kl_logps=given):
             yield inputs
-        finally:
-            vars(trainer).pop("_compute_kl_logps", None)
 
 
 class GenerationHead(TrainerLossHooks, LossHead):
@@ -318,7 +314,7 @@ class GenerationHead(TrainerLossHooks, LossHead):
             shares = trainer.accelerator.num_processes * (self.share if training else 1)
             count = self.count(inputs).to(inputs["completion_mask"].device) * shares
             inputs = {**inputs, "num_items_in_batch": count}
-        with temporarily(trainer, "current_gradient_accumulation_steps", 1) if training else contextlib.nullcontext():
+        with _set_on(trainer, **({"current_gradient_accumulation_steps": 1} if training else {})):
             yield inputs
 
 
@@ -381,6 +377,23 @@ _LOGGED = {
     "RewardTrainer": {"accuracy": "mean", "margin": "mean", "mean_reward": "mean", "min_reward": "min",
                       "max_reward": "max"},
 }  # fmt: skip
+
+
+@contextlib.contextmanager
+def _set_on(trainer, **values):
+    """Within, the trainer's attributes `values` (its methods too, as instance attributes); then as they were (what
+    was not an instance attribute removed again, so that its class's method shows through)."""
+    own = vars(trainer)
+    before = {name: own[name] for name in values if name in own}
+    own.update(values)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in before:
+                own[name] = before[name]
+            else:
+                own.pop(name, None)
 
 
 def _sum_and_rows(values) -> torch.Tensor:
