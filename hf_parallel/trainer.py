@@ -172,8 +172,7 @@ class ExactLossOverrides:
             # A user loss sees whole batches, padding too.
             pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
             data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
-            last = self.exact.padded_rows(head, batch_samples, end, data_rank, pads)
-            real_rows = () if last is None else (None,) * (len(batch_samples) - 1) + (last,)
+            real_rows = self.exact.padded_rows(head, batch_samples, end, data_rank, pads)
         model, name = self.model_wrapped, self._run_context.main_input_name
         # A subclass's own loss is its own judge: no check against the model's.
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
@@ -231,7 +230,7 @@ class ExactLossOverrides:
     ):
         """
         The subclass's own `compute_loss` on a micro-batch of `items` (per count of its head), within what its head
-        adds (`TrainerLossHooks.around_loss`; its router term held back); on an epoch's last batch under DDP, where a
+        adds (`TrainerLossHooks.loss_call`; its router term held back); on an epoch's last batch under DDP, where a
         batch may be cut to its real samples (or be all `padding`), its gathers (of its metrics) take each rank's real
         rows.
         """
@@ -245,7 +244,9 @@ class ExactLossOverrides:
             if own.router:  # the step adds the whole step's router term (`micro_batch_loss`): TRL's held back
                 within.enter_context(temporarily(self, "aux_loss_enabled", False))
             shared = step.shared if training else self._evaluation_shared
-            inputs = within.enter_context(own.around_loss(self, inputs, items, shared, training))
+            inputs, attributes = own.loss_call(self, inputs, items, shared, training)
+            for name, value in attributes.items():
+                within.enter_context(temporarily(self, name, value))
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if logged is not None:  # TRL's metrics of this micro-batch, kept with its items
             logged.record(self._metrics[mode], before, float(items[0]), mode)

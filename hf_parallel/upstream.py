@@ -267,7 +267,8 @@ PRIVATE_NAMES = (
 def temporarily(obj: Any, name: str, value: Any) -> Iterator[None]:
     """
     Set `obj.name = value` for the block, then restore it, whatever happens: the way to call a stock method with
-    one of its inputs changed when it offers no parameter for it.
+    one of its inputs changed when it offers no parameter for it. A method or any other attribute of the class, set on
+    the instance within, is removed from it afterwards, so that the class's shows through again.
 
     ```python
     from hf_parallel.upstream import temporarily
@@ -276,9 +277,13 @@ def temporarily(obj: Any, name: str, value: Any) -> Iterator[None]:
         transformers.Trainer._save(trainer, output_dir)  # saves the inner model
     ```
     """
+    own = name in getattr(obj, "__dict__", {})
     previous = getattr(obj, name)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, previous)
+        if own or name not in getattr(obj, "__dict__", {}):
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)

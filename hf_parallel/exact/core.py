@@ -222,14 +222,14 @@ class ExactLoss:
         end = epoch_end(gradient_state)
         if end is not None and head.route is Route.TRAINER_LOSS:  # where the subclass's own sampler ends the set
             end = EpochEnd(head.evaluation_remainder(gradient_state.active_dataloader, end.remainder))
-        return self.padded_rows(head, [inputs], end, process_index, pads)
+        return (self.padded_rows(head, [inputs], end, process_index, pads) or (None,))[0]
 
     def padded_rows(
         self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
-    ) -> int | None:
-        """The real rows of an epoch's last batch, where padded (`hf_parallel.exact.remainder.padded_rows`)."""
+    ) -> tuple[int | None, ...]:
+        """Per batch, its real rows where an epoch's end padded it (`hf_parallel.exact.remainder.padded_rows`)."""
         if self.num_processes == 1:
-            return None
+            return ()
         return padded_rows(head, batches, end, process_index, pads, self.warn_once)
 
     def forget_head(self, model: nn.Module) -> None:

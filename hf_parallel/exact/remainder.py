@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DistributedSampler
 
+from ..upstream import temporarily
 from .heads import IGNORE_INDEX
 from .heads.base import packed_sample_ids, sample_ids_of
 from .heads.contrastive import rows_of
@@ -123,14 +124,14 @@ def real_samples(head, batch: dict, real: int, cut: bool = False) -> dict:
     `batch` without the padding samples of an epoch's last step, for a loss computed on the batch as it is (a Trainer
     subclass's own): a cross-entropy's padding targets ignored (its rows cut too, with `cut`); for any other head
     every tensor whose rows are the samples cut to its first `real` (a preference batch, `rows_per_sample` 2, the first
-    `real` rows of each half). A batch of padding alone stays whole: its forward must still run (DDP's gradient hooks),
-    and its items count 0.
+    `real` rows of each half). A batch of padding alone stays whole, unless `cut` (to count its items: none): its
+    forward must still run (DDP's gradient hooks).
     """
     if head.ignore_index_items and not cut:
         return mask_padding(batch, TARGET_KEYS, real, sample_ids_of(head, batch))
     per = head.rows_per_sample
     samples = rows_of(batch) // per
-    if real == 0 or real >= samples:
+    if real >= samples or (real == 0 and not cut):
         return batch
 
     def cut(value):
@@ -175,11 +176,8 @@ def ragged_gathers(accelerator, padding: bool = False):
         parts = gather(padded).split(padded.shape[0])
         return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
 
-    accelerator.gather = ragged
-    try:
+    with temporarily(accelerator, "gather", ragged):
         yield
-    finally:
-        vars(accelerator).pop("gather", None)
 
 
 def row_mask(rows: int, real: int, device: torch.device) -> torch.Tensor:
@@ -194,10 +192,11 @@ def samples_in(batch: dict, label_key: str, sample_ids: torch.Tensor | None) -> 
 
 def padded_rows(
     head, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool, warn_once: Callable[[str], None]
-) -> int | None:
+) -> tuple[int | None, ...]:
     """
-    How many leading samples of the last of `batches` are real where an epoch's end padded it (see
-    `hf_parallel.exact.remainder`), so that the rest is left out of the counts and sums; None where none is padding.
+    Per batch of `batches`, how many of its leading samples are real where an epoch's end padded the last of them
+    (see `hf_parallel.exact.remainder`), so that the rest is left out of the counts and sums (None for the others);
+    empty where none is padding.
 
     Args:
         head (`LossHead`): the step's head.
@@ -209,7 +208,7 @@ def padded_rows(
         warn_once (`Callable`): warns once per message (an iterable set whose samples could not be counted).
     """
     if end is None or not (pads or end.counted) or not batches:
-        return None
+        return ()
     if end.remainder < 0:
         warn_once(
             "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
@@ -217,14 +216,14 @@ def padded_rows(
             "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
             "rank 0 dispatch the batches."
         )
-        return None
+        return ()
     last = batches[-1]
     if head.label_keys:
         samples = samples_in(last, head.label_keys[0], sample_ids_of(head, last))
     else:  # a contrastive or preference batch, without labels
         samples = rows_of(last) // head.rows_per_sample
     real = real_rows(samples, end.remainder, process_index)
-    return real if real is not None and real < samples else None
+    return () if real is None or real >= samples else (None,) * (len(batches) - 1) + (real,)
 
 
 class SamplerPadding:
@@ -277,8 +276,6 @@ class LoopPadding:
         if self.accelerator is not None:
             loader = self.accelerator.gradient_state.active_dataloader
             pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
-            last = self.exact.padded_rows(head, batches, end, self.process_index, pads)
-            marks = [None] * (len(batches) - 1) + [last] if batches else []
-        else:
-            marks = self.sampler.mark(head, batches)
+            return self.exact.padded_rows(head, batches, end, self.process_index, pads)
+        marks = self.sampler.mark(head, batches)
         return tuple(marks) if any(mark is not None for mark in marks) else ()

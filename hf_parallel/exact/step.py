@@ -198,7 +198,7 @@ def _items(head: LossHead, batch: dict, main_input_name: str, real: int | None) 
     if real is None:
         return head.count(batch, seq_len)
     if not head.label_keys:  # a head without labels (contrastive, a Trainer subclass's): its real rows cut out
-        return head.count(real_samples(head, batch, real, cut=True), seq_len) * (real > 0)
+        return head.count(real_samples(head, batch, real, cut=True), seq_len)
     # The last batch of an epoch under DDP: only its leading samples are real, the rest is padding.
     sample_ids = sample_ids_of(head, batch)
     if head.ignore_index_items:
@@ -312,11 +312,9 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     `compute_loss` on the batch without an epoch's padding samples, given the step's count (the batch's in evaluation)
     as `num_items_in_batch`; the head makes S of it, reduced as every head's S.
     """
+    items = _items(head, inputs, context.main_input_name, real)
     if real is not None:
         inputs = real_samples(head, inputs, real)
-    items = head.count(inputs, sequence_length(inputs, context.main_input_name))
-    if real == 0:  # a batch of padding alone, kept whole for its forward
-        items = items * 0
     count = step.total if step is not None else items.sum()
     if head.router is not None:
         inputs = {**inputs, "output_router_logits": True}

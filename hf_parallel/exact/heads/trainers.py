@@ -20,7 +20,6 @@ are means over these items are made the whole step's too (`LoggedMetrics`).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from collections.abc import Callable
@@ -78,11 +77,10 @@ class TrainerLossHooks:
         """The real rows of the last global batch of an evaluation `loader`: accelerate's count, `remainder`."""
         return remainder
 
-    @contextlib.contextmanager
-    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
-        """Around the subclass's `compute_loss` of a micro-batch of `items` (the head's count), given what the step
-        (the set) `shared`: yields the inputs to give it."""
-        yield inputs
+    def loss_call(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool) -> tuple[dict, dict]:
+        """How the subclass's `compute_loss` is called on a micro-batch of `items` (the head's count), given what the
+        step (the set) `shared`: the inputs to give it, and the trainer's attributes (methods too) set around it."""
+        return inputs, {}
 
 
 class TokenSumHead(TrainerLossHooks, CrossEntropyHead):
@@ -121,7 +119,7 @@ class PairsAndSftHead(SampleMeanHead):
     """
     DPO with its `sft` term: its other loss types a mean over pairs, `sft` the mean negative log-likelihood over the
     chosen completions' tokens. Two counts, the pairs and the chosen tokens; TRL's `sft` weight of each micro-batch is
-    scaled (`around_loss`) so that, times its pairs over the step's, its term is its chosen tokens' share of the
+    scaled (`loss_call`) so that, times its pairs over the step's, its term is its chosen tokens' share of the
     step's. The step's counts in training; in evaluation the whole set's, counted first (`evaluation_shared`).
     """
 
@@ -151,16 +149,14 @@ class PairsAndSftHead(SampleMeanHead):
         chosen = (gather(batch["completion_mask"][: rows_of(batch) // 2, 1:].sum(1)) for batch in dataloader)
         return _sum_and_rows(chosen).flip(0)  # [pairs, chosen tokens], as `count`
 
-    @contextlib.contextmanager
-    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
+    def loss_call(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool) -> tuple[dict, dict]:
         """TRL's `loss_weights` for a micro-batch: the `sft` weight times (chosen tokens / pairs) of the micro-batch
         (`items`) times (pairs / chosen tokens) of the step or set (`shared`)."""
         pairs, tokens = (float(n) for n in items)
         all_pairs, all_tokens = (float(n) for n in shared)
         weights = list(trainer.loss_weights)
         weights[self.sft] *= tokens * all_pairs / (pairs * all_tokens) if pairs and all_tokens else 0.0
-        with _set_on(trainer, loss_weights=weights):
-            yield inputs
+        return inputs, {"loss_weights": weights}
 
 
 class KtoHead(SampleMeanHead):
@@ -170,7 +166,7 @@ class KtoHead(SampleMeanHead):
     completion (TRL pairs each prompt with another row's). TRL estimates the point on each micro-batch (and averages
     ranks' means); here it is made once over the whole step's rows, or the whole evaluation set's, by a forward without
     gradient (`step_shared`, `evaluation_shared`), and each micro-batch's loss is given it in place of its own forwards
-    of those rows (`around_loss`): the same forwards, once.
+    of those rows (`loss_call`): the same forwards, once.
     """
 
     def __init__(self, owner: type):
@@ -215,16 +211,14 @@ class KtoHead(SampleMeanHead):
         finally:
             trainer.model.train(was_training)
 
-    @contextlib.contextmanager
-    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
+    def loss_call(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool) -> tuple[dict, dict]:
         """
-        Within, TRL's loss takes `shared`, the step's (the set's) point, as its KL reference point: of the two forwards
+        TRL's loss takes `shared`, the step's (the set's) point, as its KL reference point: of the two forwards
         of a batch's KL rows it makes (the policy's, then the reference model's), the first returns the point (plus a
         precomputed reference value, which TRL then subtracts) and the second 0.
         """
         if shared is None:
-            yield inputs
-            return
+            return inputs, {}
         calls = []
 
         def given(model, batch):
@@ -235,8 +229,7 @@ class KtoHead(SampleMeanHead):
             value = shared.to(batch["KL_input_ids"].device).expand(rows)
             return value + batch["ref_KL_logps"] if trainer.precompute_ref_logps else value
 
-        with _set_on(trainer, _compute_kl_logps=given):
-            yield inputs
+        return inputs, {"_compute_kl_logps": given}
 
 
 class GenerationHead(TrainerLossHooks, LossHead):
@@ -249,7 +242,7 @@ class GenerationHead(TrainerLossHooks, LossHead):
     The completions exist only once TRL's `_prepare_inputs` made them (every `steps_per_generation` micro-batches, for
     a whole generation batch), so the step's micro-batches are prepared before it is counted (`prepare`), at the
     weights stock generates them at (`before_count`); each micro-batch's loss is then TRL's over its own items
-    (`around_loss`), its S that mean times its items.
+    (`loss_call`), its S that mean times its items.
     """
 
     def __init__(
@@ -303,10 +296,9 @@ class GenerationHead(TrainerLossHooks, LossHead):
         """
         return len(loader.dataset) * self.repeats % loader.total_batch_size
 
-    @contextlib.contextmanager
-    def around_loss(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool):
+    def loss_call(self, trainer, inputs: dict, items: torch.Tensor, shared, training: bool) -> tuple[dict, dict]:
         """
-        Within, TRL's loss is the mean over the batch's own items: not divided by the accumulation steps (GRPO divides
+        TRL's loss is the mean over the batch's own items: not divided by the accumulation steps (GRPO divides
         by them itself in training); for dapo's kind, `num_items_in_batch` made the batch's own tokens times the ranks
         (and, in training, the micro-batches of a generation).
         """
@@ -314,8 +306,7 @@ class GenerationHead(TrainerLossHooks, LossHead):
             shares = trainer.accelerator.num_processes * (self.share if training else 1)
             count = self.count(inputs).to(inputs["completion_mask"].device) * shares
             inputs = {**inputs, "num_items_in_batch": count}
-        with _set_on(trainer, **({"current_gradient_accumulation_steps": 1} if training else {})):
-            yield inputs
+        return inputs, {"current_gradient_accumulation_steps": 1} if training else {}
 
 
 class LoggedMetrics:
@@ -377,23 +368,6 @@ _LOGGED = {
     "RewardTrainer": {"accuracy": "mean", "margin": "mean", "mean_reward": "mean", "min_reward": "min",
                       "max_reward": "max"},
 }  # fmt: skip
-
-
-@contextlib.contextmanager
-def _set_on(trainer, **values):
-    """Within, the trainer's attributes `values` (its methods too, as instance attributes); then as they were (what
-    was not an instance attribute removed again, so that its class's method shows through)."""
-    own = vars(trainer)
-    before = {name: own[name] for name in values if name in own}
-    own.update(values)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in before:
-                own[name] = before[name]
-            else:
-                own.pop(name, None)
 
 
 def _sum_and_rows(values) -> torch.Tensor:
