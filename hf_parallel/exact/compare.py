@@ -35,8 +35,6 @@ from .heads import HeadMismatch, LossHead, Route
 from .resolve import inside_adapters
 
 __all__ = [
-    "PROBE_OFFSET",
-    "PROBE_SCALE",
     "ReplicaCheck",
     "accepts_item_count",
     "can_use_model_loss",
@@ -61,15 +59,13 @@ _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 SampleTerms = tuple[torch.Tensor, torch.Tensor]
 
 
-#: The item count a checked forward passes is C * PROBE_SCALE + PROBE_OFFSET for C items (see the module docstring):
-#: never a whole number, so no count of items, and twice C, so that S / N and S / C differ at every size and precision.
-PROBE_SCALE = 2.0
-PROBE_OFFSET = 0.5
-
-
 def probe_count(items: torch.Tensor) -> torch.Tensor:
-    """The `num_items_in_batch` a checked forward of a micro-batch with `items` items passes: 2C + 1/2, in float32."""
-    return items.float() * PROBE_SCALE + PROBE_OFFSET
+    """
+    The `num_items_in_batch` a checked forward of a micro-batch with `items` items passes: 2C + 1/2, in float32 (see
+    the module docstring): never a whole number, so no count of items, and twice C, so that S / N and S / C differ at
+    every size and precision.
+    """
+    return items.float() * 2.0 + 0.5
 
 
 def can_use_model_loss(head: LossHead | None, model: nn.Module) -> bool:
