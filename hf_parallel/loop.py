@@ -57,7 +57,6 @@ from .exact import (
     pick_engine,
     pull_batches,
     replica_autocast,
-    sum_over_ranks,
 )
 from .launch.validation import check_whole_number
 from .saving.unwrap import unwrap_model
@@ -126,20 +125,10 @@ class ExactLoop:
             label_smoothing=label_smoothing,
             num_processes=self.num_processes,
             reduce_sum=reduce_sum,
-            gather_rows=self._add_rows,
             unwrap=unwrap,
             fallback=_LOOP_FALLBACK,
             process_group=process_group,
         )
-
-    def _add_rows(self, rows: tuple) -> tuple:
-        """
-        An evaluation batch's per-row sums and counts (and a MoE router's statistics, where given) added over the rows
-        and the ranks: padding rows are masked before the forward here, so every row is added.
-        """
-        engine = self.exact.engine
-        added = sum_over_ranks(rows[0].sum(0), rows[1].sum(0), engine)
-        return added if len(rows) == 2 else (*added, engine.add_counts(rows[2].double().sum(0, keepdim=True)))
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         summed = tensor.clone()

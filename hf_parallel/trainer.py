@@ -34,7 +34,6 @@ from .exact import (
     StepCounts,
     count_samples,
     count_step,
-    gather_samples,
     is_data_parallel,
     micro_batch_loss,
     pick_engine,
@@ -423,11 +422,9 @@ class TrainerMixin(ExactLossOverrides, CheckpointOverrides):
             label_smoothing=self.args.label_smoothing_factor,
             num_processes=self.accelerator.num_processes if distributed else 1,
             reduce_sum=lambda counts: self.accelerator.reduce(counts, reduction="sum"),
-            gather_rows=lambda rows: gather_samples(self.accelerator, rows),
             unwrap=self.accelerator.unwrap_model,
             contrastive_negatives=self.args.contrastive_negatives,
             router_balance=self.args.router_balance,
-            gather_embeddings=lambda rows: gather_samples(self.accelerator, rows),
         )
         #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
         #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock

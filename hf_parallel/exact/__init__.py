@@ -49,7 +49,7 @@ from .check import MAX_CHECKS, ModelLossCheck
 from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import ExactLoss
 from .engine import Engine, pick_engine
-from .evaluation import EvalTotals, Evaluation, sum_over_ranks
+from .evaluation import EvalTotals, Evaluation
 from .fallback import stock_compute_loss, stock_training_step
 from .heads import (
     IGNORE_INDEX,
@@ -85,7 +85,7 @@ from .replicas import (
 )
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .step import RunContext, StepCounts, count_step, micro_batch_loss, pull_batches
-from .streams import count_samples, gather_samples
+from .streams import count_samples
 from .terms import Terms, batch_device
 
 __all__ = [
@@ -123,7 +123,6 @@ __all__ = [
     "candidate_heads",
     "count_samples",
     "epoch_end",
-    "gather_samples",
     "is_data_parallel",
     "micro_batch_loss",
     "pick_engine",
@@ -142,7 +141,6 @@ __all__ = [
     "stock_compute_loss",
     "stock_replica_precision",
     "stock_training_step",
-    "sum_over_ranks",
     "token_losses",
     "trainer_loss_head",
 ]

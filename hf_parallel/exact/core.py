@@ -13,7 +13,6 @@ S and C up over the whole set and divides once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -48,16 +47,10 @@ class ExactLoss:
         label_smoothing (`float`, *optional*, defaults to 0): `TrainingArguments.label_smoothing_factor`.
         num_processes (`int`, *optional*, defaults to 1): DDP ranks; the loss is scaled by it.
         reduce_sum (`Callable`, *optional*): sums a tensor over ranks (needed when `num_processes > 1`).
-        gather_rows (`Callable`, *optional*): gathers per-row tensors from all ranks for evaluation, dropping the
-            rows a distributed sampler duplicated (accelerate's `gather_for_metrics`); identity when not given.
         unwrap (`Callable`, *optional*): takes a model out of its wrappers before its head is resolved; run only
             when the head of that model is not cached yet.
         fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's stock loss when
             `None`).
-        gather_embeddings (`Callable`, *optional*): gathers a contrastive model's per-row embeddings (a tuple) from
-            all ranks in evaluation, dropping the rows a distributed sampler duplicated (the Trainer: accelerate's
-            `gather_for_metrics`); when not given, every rank's rows are gathered as they are (the caller marks the
-            padding rows, which are cut first).
         contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
             loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
             (`"micro_batch"`, as stock); see `hf_parallel.exact.coupled`.
@@ -75,11 +68,9 @@ class ExactLoss:
         label_smoothing: float = 0.0,
         num_processes: int = 1,
         reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        gather_rows: Callable[[Any], Any] | None = None,
         unwrap: Callable[[nn.Module], nn.Module] | None = None,
         fallback: str | None = None,
         contrastive_negatives: str = "step",
-        gather_embeddings: Callable[[Any], Any] | None = None,
         router_balance: str = "step",
         process_group=None,
     ):
@@ -99,8 +90,9 @@ class ExactLoss:
         #: scales S / C. One process or DDP from `num_processes` until the caller picks the run's own.
         self.engine = pick_engine(num_processes, reduce_sum=reduce_sum, group=process_group)
         self.reduce_sum = reduce_sum
-        #: The evaluation of the run: its totals, how the ranks' rows are gathered (`hf_parallel.exact.evaluation`).
-        self.evaluation = Evaluation(gather_rows, gather_embeddings)
+        #: The evaluation of the run: its totals, each rank's rows added up, over the ranks at the end (the caller
+        #: marks the padding rows: `evaluation_padding`; `hf_parallel.exact.evaluation`).
+        self.evaluation = Evaluation()
         self.unwrap = unwrap or (lambda model: model)
         self.fallback = fallback or (
             "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
@@ -209,15 +201,13 @@ class ExactLoss:
     ) -> int | None:
         """
         How many leading rows of the last evaluation batch under DDP are real where accelerate repeated rows to fill
-        it, for a cross-entropy head: one that takes the model's own loss (or may, from its check on) adds one sum per
-        forward, from which gathering cannot drop them afterwards (their targets are masked, so the recomputed rows
-        are 0 too). Under tensor parallelism (nothing is gathered) for every head. None for any other head, and
+        it, for every head: each rank adds up its own rows (`hf_parallel.exact.evaluation`), so the repeated ones are
+        masked before the loss, as in training. A cross-entropy head that takes the model's own loss (or may, from its
+        check on) adds one sum per forward: its padding targets are masked, so the recomputed rows are 0 too. None
         without DDP. A Trainer subclass's head may say where the set ends (GRPO's, whose sampler gives each prompt
         several times where accelerate counts the prompts).
         """
-        if self.num_processes == 1 or (
-            not head.ignore_index_items and head.route is not Route.TRAINER_LOSS and self.engine.data_replicas == 1
-        ):
+        if self.num_processes == 1:
             return None
         end = epoch_end(gradient_state)
         if end is not None and head.route is Route.TRAINER_LOSS:  # where the subclass's own sampler ends the set

@@ -117,13 +117,8 @@ def contrastive_loss(
     text, other = text[:real], other[:real]
     if step is None and exact.evaluation.running:
         # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
-        # fill the last batch dropped); every rank adds the same loss, once. By the caller's `gather_embeddings`,
-        # else every rank's rows as they are (padding cut).
-        gather = exact.evaluation.gather_embeddings
-        if gather is not None:
-            text_all, other_all = gather((text.detach(), other.detach()))
-        else:
-            text_all, other_all = (torch.cat(exact.engine.gather_rows(part.detach())) for part in (text, other))
+        # fill the last batch cut first, `real`): every rank's rows as they are; every rank adds the same loss, once.
+        text_all, other_all = (torch.cat(exact.engine.gather_rows(part.detach())) for part in (text, other))
         loss = head.variant.loss(source, text_all, other_all)
         exact.evaluation.add_loss(head, loss)
         return loss, _outputs(head, text, other, return_outputs)

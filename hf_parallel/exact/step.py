@@ -330,7 +330,7 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
         stats = router[0]
         if real is not None and (head.ignore_index_items or real == 0):  # rows not cut (SFT's; a batch of padding)
             stats = stats.where(row_mask(len(stats), real, stats.device), 0)
-        stats = stats if step is None else stats.sum(0, keepdim=True)
+        stats = stats.sum(0, keepdim=True)
     return reduce(exact, head, Terms(sums.reshape(1, -1), items.reshape(1, -1), router=stats), step), outputs
 
 
@@ -479,12 +479,11 @@ class _Forward:
                 terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
         if head.router is None:
             return terms
-        running = self.exact.evaluation.running
-        return terms._replace(router=router_terms(head, outputs, labels, inputs, running, self.real))
+        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.real))
 
     def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """`head`'s `[samples, terms]` sums and counts on these outputs (`sample_terms`), per sample in evaluation."""
-        return sample_terms(head, outputs, labels, inputs, self.exact.evaluation.running, self.real)
+        """`head`'s `[rows, terms]` sums and counts on these outputs (`sample_terms`)."""
+        return sample_terms(head, outputs, labels, inputs, self.real)
 
     @staticmethod
     def targets(labels: dict) -> dict:
@@ -515,13 +514,13 @@ def _model_terms(head: LossHead, outputs, labels: dict, seq_len: int | None, cou
 
 
 def sample_terms(
-    head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool, real: int | None = None
+    head: LossHead, outputs, labels: dict, inputs: dict, real: int | None = None
 ) -> tuple[torch.Tensor, ...]:
     """
-    Loss sums and item counts per sample, `[samples, terms]`: per row, or per sequence of a packed row where
-    `per_sample` (evaluation: training adds every sample up anyway, in one row, without counting the samples, which
-    would read a value off the device every micro-batch); the samples from `real` on (an epoch's padding) add
-    nothing, not to S, not to the gradient.
+    Loss sums and item counts per row, `[rows, terms]`; a packed row's sequences added up in its one row (in training
+    and evaluation alike: both add every sample up, and counting the samples would read a value off the device every
+    micro-batch); the samples from `real` on (an epoch's padding: a row, or a sequence of a packed row) add nothing,
+    not to S, not to the gradient.
     """
     sample_ids = sample_ids_of(head, inputs)
     if sample_ids is None:
@@ -535,14 +534,7 @@ def sample_terms(
     losses, valid = head.position_terms(outputs, labels)  # [1, positions]
     sample_ids = sample_ids.to(losses.device)
     keep = sample_ids.lt(real) if real is not None else torch.ones_like(valid[0])
-    if not per_sample:
-        return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
-    samples = int(sample_ids.max()) + 1
-    sums = losses.new_zeros(samples).index_add(0, sample_ids, losses[0] * keep)
-    counts = torch.zeros(samples, dtype=torch.long, device=losses.device).index_add(
-        0, sample_ids, (valid[0] & keep).long()
-    )
-    return sums.unsqueeze(-1), counts.unsqueeze(-1)
+    return (losses[0] * keep).sum().reshape(1, 1), (valid[0] & keep).sum().reshape(1, 1)
 
 
 def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torch.Tensor:
@@ -554,7 +546,7 @@ def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torc
         # One value per replica under DataParallel (each divided by the whole count already): their sum.
         return terms.user_loss.sum() * (step.scale if step is not None else 1)
     if step is None:
-        return exact.evaluation.add(head, terms, exact.engine)
+        return exact.evaluation.add(head, terms)
     loss = head.combine(terms.sums.sum(0), step.counts) * step.scale
     if terms.router is None:
         return loss
@@ -562,13 +554,10 @@ def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torc
 
 
 # ---- A MoE router's term (`hf_parallel.exact.heads.router`), added to its head's ----
-def router_terms(
-    head: LossHead, outputs, labels: dict, inputs: dict, per_sample: bool, real: int | None = None
-) -> torch.Tensor | None:
+def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, real: int | None = None) -> torch.Tensor | None:
     """
-    A MoE model's router statistics on this forward's rows, the rows from `real` on (an epoch's padding) left out:
-    `[1, 2E + 1]` in training, `[rows, 2E + 1]` where `per_sample` (evaluation); None for outputs without router
-    logits.
+    A MoE model's router statistics on this forward's rows, the rows from `real` on (an epoch's padding) left out,
+    added up: `[1, 2E + 1]`, in training and evaluation alike; None for outputs without router logits.
     """
     rows = next(iter(model_labels(labels).values())).shape[0]
     stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
@@ -576,7 +565,7 @@ def router_terms(
         return None
     if real is not None:
         stats = stats.where(row_mask(rows, real, stats.device).reshape(-1, 1), 0)
-    return stats if per_sample else stats.sum(0, keepdim=True)
+    return stats.sum(0, keepdim=True)
 
 
 def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], marks, device) -> torch.Tensor:

@@ -9,8 +9,9 @@ real: it reports -1 for a dataset without a length, and 0 for one with a length 
 the per-rank batch), and its `gather_for_metrics` then keeps the repeated samples. Every rank sees every sample, so
 counting what the dataset yields tells it: `count_samples` puts a `SampleCounter` between the shard and the dataset;
 once the dataloader is at its end, `stream_remainder` reads the count. The samples of the gathered last batch are in
-rank order, real ones first, as for a map-style dataset, so `gather_samples` keeps the first `remainder` of them, and
-an epoch's last training step marks its padding as for a map-style dataset (`hf_parallel.exact.remainder`).
+rank order, real ones first, as for a map-style dataset (`accelerator.gather_for_metrics` would keep the first
+`remainder` of them), so an epoch's last step, in training and evaluation alike, marks its padding as for a map-style
+dataset (`hf_parallel.exact.remainder`).
 
 The count is taken where the shard iterates, which is this process only without dataloader worker processes
 (`dataloader_num_workers=0`); with workers each one runs its own shard, and `count_samples` says it cannot count.
@@ -22,10 +23,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from accelerate.data_loader import IterableDatasetShard
-from accelerate.utils import recursively_apply
 from torch.utils.data import IterableDataset
 
-__all__ = ["SampleCounter", "count_samples", "gather_samples", "stream_remainder"]
+__all__ = ["SampleCounter", "count_samples", "stream_remainder"]
 
 
 class SampleCounter(IterableDataset):
@@ -100,25 +100,3 @@ def stream_remainder(gradient_state) -> int | None:
         return 0  # the last partial batch was dropped, not completed
     global_batch = shard.batch_size if shard.split_batches else shard.batch_size * shard.num_processes
     return shard.dataset.count % global_batch
-
-
-def gather_samples(accelerator, rows: Any) -> Any:
-    """
-    `accelerator.gather_for_metrics(rows)` (per-sample tensors from every rank, the duplicates a distributed sampler
-    added dropped), which also drops the samples repeated to fill the last batch of a counted iterable dataset.
-
-    Args:
-        accelerator (`Accelerator`): the Trainer's accelerator.
-        rows (`torch.Tensor` or nested tuples/dicts of them): this rank's per-sample tensors, one row per sample.
-
-    ```python
-    from hf_parallel.exact.streams import gather_samples
-
-    sums, counts = gather_samples(trainer.accelerator, (row_sums, row_counts))  # each sample of the set once
-    ```
-    """
-    real = stream_remainder(accelerator.gradient_state)
-    if real is None:
-        return accelerator.gather_for_metrics(rows)
-    gathered = accelerator.gather(rows)
-    return gathered if real == 0 else recursively_apply(lambda tensor: tensor[:real], gathered)

@@ -32,7 +32,7 @@ class Terms(NamedTuple):
         user_loss (`torch.Tensor`, *optional*): `[1]`, the user loss (divided by the whole count already).
         check (`ReplicaCheck`, *optional*): what a checked forward says of the candidate heads.
         router (`torch.Tensor`, *optional*): `[samples, 2E + 1]`, a MoE model's router statistics
-            (`hf_parallel.exact.heads.router`): one row per forward in training, per sample in evaluation.
+            (`hf_parallel.exact.heads.router`): one row per forward (the padding rows left out).
     """
 
     sums: torch.Tensor | None = None

@@ -30,7 +30,8 @@ def test_a_user_loss_function_gets_the_exact_count():
 
 
 def test_a_packed_row_is_split_into_its_samples():
-    """`DataCollatorWithFlattening` packs sequences into one row: the terms are per sequence, as if unpacked."""
+    """`DataCollatorWithFlattening` packs sequences into one row: its sums and counts are its sequences', each sequence
+    a sample (the samples from `real` on, an epoch's padding, add nothing)."""
     from transformers import DataCollatorWithFlattening
 
     model = CASES["llama_causal_lm"].build(0).eval()
@@ -40,14 +41,17 @@ def test_a_packed_row_is_split_into_its_samples():
     with torch.no_grad():
         inputs, labels = split_labels(head, packed, model)
         outputs = model(**inputs)
-        # In training the samples are added up in one row (counting them would read a value off the device).
-        train_sums, train_counts = sample_terms(head, outputs, dict(labels), inputs, per_sample=False)
-        sums, counts = sample_terms(head, outputs, labels, inputs, per_sample=True)
-        assert train_sums.shape == (1, 1) and sums.shape == (len(sequences), 1)
-        torch.testing.assert_close(train_sums[0], sums.sum(0))
-        assert train_counts[0].item() == counts.sum().item()
-        for i, ids in enumerate(sequences):
+        expected_sums, expected_counts = [0.0], [0]  # the first `real` sequences' sums and counts, per `real`
+        for ids in sequences:
             alone = model(input_ids=ids[None]).logits[0, :-1]
-            expected = torch.nn.functional.cross_entropy(alone, ids[1:], reduction="sum") if len(ids) > 1 else 0.0
-            torch.testing.assert_close(sums[i, 0], torch.as_tensor(expected, dtype=sums.dtype), rtol=1e-5, atol=1e-5)
-            assert counts[i, 0].item() == len(ids) - 1
+            loss = torch.nn.functional.cross_entropy(alone, ids[1:], reduction="sum") if len(ids) > 1 else 0.0
+            expected_sums.append(expected_sums[-1] + float(loss))
+            expected_counts.append(expected_counts[-1] + len(ids) - 1)
+        for real in (None, *range(len(sequences) + 1)):
+            # Added up in the one row (counting the samples would read a value off the device).
+            sums, counts = sample_terms(head, outputs, dict(labels), inputs, real=real)
+            index = len(sequences) if real is None else real
+            assert sums.shape == (1, 1) and counts.shape == (1, 1)
+            expected = torch.as_tensor(expected_sums[index], dtype=sums.dtype)
+            torch.testing.assert_close(sums[0, 0], expected, rtol=1e-5, atol=1e-5)
+            assert counts[0, 0].item() == expected_counts[index]
