@@ -169,9 +169,7 @@ class ExactLossOverrides:
             self._hand_out(prepared)
         elif end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
-            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
-            data_rank = self.accelerator.process_index // engine.data_replicas  # a TP group shares its batch
-            real_rows = self.exact.padded_rows(head, batch_samples, end, data_rank, pads)
+            real_rows = self.exact.padded_rows(head, batch_samples, end, self._pads_epoch_end)
         model, name = self.model_wrapped, self._run_context.main_input_name
         # A subclass's own loss is its own judge: no check against the model's.
         settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
@@ -183,6 +181,12 @@ class ExactLossOverrides:
         if step.settled:
             self._settled_head = head
         return step
+
+    @property
+    def _pads_epoch_end(self) -> bool:
+        """Whether the dataloaders fill an epoch's last global batch with repeated rows (accelerate's `even_batches`,
+        without `dataloader_drop_last`)."""
+        return self.accelerator.even_batches and not self.args.dataloader_drop_last
 
     def _hand_out(self, prepared: list[dict]) -> None:
         """Until each is taken, `_prepare_inputs` gives the step's micro-batches its count prepared (GRPO's)."""
@@ -293,10 +297,8 @@ class ExactLossOverrides:
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
         real = None
         if step is None and self.exact.evaluation.running:
-            pads = self.accelerator.even_batches and not self.args.dataloader_drop_last
-            accelerator = self.accelerator
-            data_rank = accelerator.process_index // self.exact.engine.data_replicas  # a TP group shares its batch
-            real = self.exact.evaluation_padding(head, inputs, accelerator.gradient_state, data_rank, pads)
+            gradient_state = self.accelerator.gradient_state
+            real = self.exact.evaluation_padding(head, inputs, gradient_state, self._pads_epoch_end)
         if self._run_context is None:  # compute_loss called outside train() and evaluate()
             self._pick_engine()
         context = self._run_context

@@ -69,7 +69,6 @@ from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, TrainerLos
 from .remainder import (
     EpochEnd,
     LoopPadding,
-    SamplerPadding,
     epoch_end,
     ragged_gathers,
     real_batches,
@@ -112,7 +111,6 @@ __all__ = [
     "Route",
     "RouterBalance",
     "RunContext",
-    "SamplerPadding",
     "StepCounts",
     "Terms",
     "TrainerLossHooks",

@@ -196,9 +196,7 @@ class ExactLoss:
         self.warn_fallback(f"a training batch lacks the label keys {list(head.label_keys)}.")
         return False
 
-    def evaluation_padding(
-        self, head: LossHead, inputs: dict, gradient_state, process_index: int, pads: bool
-    ) -> int | None:
+    def evaluation_padding(self, head: LossHead, inputs: dict, gradient_state, pads: bool) -> int | None:
         """
         How many leading rows of the last evaluation batch under DDP are real where accelerate repeated rows to fill
         it, for every head: each rank adds up its own rows (`hf_parallel.exact.evaluation`), so the repeated ones are
@@ -212,15 +210,17 @@ class ExactLoss:
         end = epoch_end(gradient_state)
         if end is not None and head.route is Route.TRAINER_LOSS:  # where the subclass's own sampler ends the set
             end = EpochEnd(head.evaluation_remainder(gradient_state.active_dataloader, end.remainder))
-        return (self.padded_rows(head, [inputs], end, process_index, pads) or (None,))[0]
+        return (self.padded_rows(head, [inputs], end, pads) or (None,))[0]
 
     def padded_rows(
-        self, head: LossHead, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool
+        self, head: LossHead, batches: list[dict], end: EpochEnd | None, pads: bool
     ) -> tuple[int | None, ...]:
-        """Per batch, its real rows where an epoch's end padded it (`hf_parallel.exact.remainder.padded_rows`)."""
+        """Per batch, its real rows where an epoch's end padded it (`hf_parallel.exact.remainder.padded_rows`), for
+        this rank's share of the data: its rank in the engine's group, a tensor-parallel group sharing its batch."""
         if self.num_processes == 1:
             return ()
-        return padded_rows(head, batches, end, process_index, pads, self.warn_once)
+        data_rank = self.engine.rank // self.engine.data_replicas
+        return padded_rows(head, batches, end, data_rank, pads, self.warn_once)
 
     def forget_head(self, model: nn.Module) -> None:
         """The stock loss for `model` from now on (a check found its loss is not the head's; the caller warns)."""

@@ -39,7 +39,6 @@ __all__ = [
     "TARGET_KEYS",
     "EpochEnd",
     "LoopPadding",
-    "SamplerPadding",
     "epoch_end",
     "first_rows",
     "padded_rows",
@@ -226,56 +225,43 @@ def padded_rows(
     return () if real is None or real >= samples else (None,) * (len(batches) - 1) + (real,)
 
 
-class SamplerPadding:
-    """
-    The samples a `DistributedSampler` repeats to give every rank as many (`drop_last=False`): the padded index list
-    is dealt out round-robin, so rank r's real samples are the first ceil((N - r) / W) it reads in an epoch.
-    `mark` tells the real samples of each micro-batch as they come (a hand-written loop's dataloader, which
-    accelerate did not prepare).
-    """
-
-    def __init__(self, dataloader, rank: int, world: int):
-        sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler):
-            sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
-        self.real = None
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and world > 1:
-            self.real = max(0, math.ceil((len(sampler.dataset) - rank) / world))
-        self.seen = 0
-
-    def mark(self, head, batches: list[dict]) -> list[int | None]:
-        """Per batch, how many of its leading samples are real; None where all are."""
-        marks = []
-        for batch in batches:
-            rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
-            real = rows if self.real is None else min(rows, max(0, self.real - self.seen))
-            self.seen += rows
-            marks.append(real if real < rows else None)
-        return marks
-
-
 class LoopPadding:
     """
     The samples a hand-written loop's dataloader repeats, told apart as its batches come:
     accelerate's, which fills the last global batch with rows from the epoch's start (`even_batches`) unless the
-    dataloader drops it, in a dataloader accelerate prepared; a `DistributedSampler`'s otherwise (`SamplerPadding`).
+    dataloader drops it, in a dataloader accelerate prepared; a `DistributedSampler`'s otherwise, which repeats samples
+    to give every rank as many (`drop_last=False`): the padded index list is dealt out round-robin, so rank r's real
+    samples are the first ceil((N - r) / W) it reads in an epoch (a dataloader accelerate did not prepare).
     Under accelerate the samples of an iterable dataset each rank reads itself are counted first
     (`hf_parallel.exact.streams`; warned where they cannot be).
     """
 
     def __init__(self, exact, dataloader, name: str, accelerator, process_index: int, num_processes: int):
-        self.exact, self.accelerator, self.process_index = exact, accelerator, process_index
+        self.exact, self.accelerator = exact, accelerator
         if accelerator is not None:
             cannot = count_samples(dataloader, name)
             if cannot is not None:
                 exact.warn_once(cannot)
-        self.sampler = SamplerPadding(dataloader, process_index, num_processes)
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler):
+            sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        #: This rank's real samples of an epoch under a padding `DistributedSampler` (None: none is padding), and the
+        #: samples read so far.
+        self.sampler_real = None
+        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and num_processes > 1:
+            self.sampler_real = max(0, math.ceil((len(sampler.dataset) - process_index) / num_processes))
+        self.seen = 0
 
     def mark(self, head, batches: list[dict], end: EpochEnd | None) -> tuple[int | None, ...]:
         """Per batch of `batches`, how many of its leading samples are real; empty where none is padding."""
         if self.accelerator is not None:
             loader = self.accelerator.gradient_state.active_dataloader
             pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
-            return self.exact.padded_rows(head, batches, end, self.process_index, pads)
-        marks = self.sampler.mark(head, batches)
+            return self.exact.padded_rows(head, batches, end, pads)
+        marks = []
+        for batch in batches:  # the sampler's real samples as they come
+            rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
+            real = rows if self.sampler_real is None else min(rows, max(0, self.sampler_real - self.seen))
+            self.seen += rows
+            marks.append(real if real < rows else None)
         return tuple(marks) if any(mark is not None for mark in marks) else ()
