@@ -115,14 +115,11 @@ def contrastive_loss(
     if not state["checked"] and not _verdict(exact, owner, head, own, recomputed, state):
         return own.mean() / micro_batches, _outputs(head, text, other, return_outputs)
     text, other = text[:real], other[:real]
+    loss = head.variant.loss(source, *(_everyones(part, exact.engine) for part in (text, other)))
     if step is None and exact.evaluation.running:
         # Evaluation: this batch over every device as one batch, each row once (the duplicates the sampler added to
         # fill the last batch cut first, `real`): every rank's rows as they are; every rank adds the same loss, once.
-        text_all, other_all = (torch.cat(exact.engine.gather_rows(part.detach())) for part in (text, other))
-        loss = head.variant.loss(source, text_all, other_all)
         exact.evaluation.add_loss(head, loss)
-        return loss, _outputs(head, text, other, return_outputs)
-    loss = head.variant.loss(source, *(_everyones(part, exact.engine) for part in (text, other)))
     return loss / micro_batches, _outputs(head, text, other, return_outputs)
 
 

@@ -28,8 +28,6 @@ class Evaluation:
 
     def __init__(self):
         self.totals: EvalTotals | None = None
-        #: Whether an evaluation is adding up its totals (between `start` and `finish`).
-        self.running = False
         #: Whether the model's outputs are wanted besides the loss (False in evaluation with prediction_loss_only).
         self.outputs_wanted = True
 
@@ -37,13 +35,16 @@ class Evaluation:
         """Start adding up S and C of every evaluation batch (`enabled`: the exact loss is on); `keep_outputs=False`
         when only the loss is wanted."""
         self.totals = EvalTotals() if enabled else None
-        self.running = self.totals is not None
         self.outputs_wanted = keep_outputs
+
+    @property
+    def running(self) -> bool:
+        """Whether an evaluation is adding up its totals (between `start` and `finish`)."""
+        return self.totals is not None
 
     def finish(self, engine: Engine) -> float | None:
         """Stop adding up; the exact evaluation loss, or None when no batch was computed exactly."""
-        totals, self.totals = self.totals, None
-        self.running, self.outputs_wanted = False, True
+        totals, self.totals, self.outputs_wanted = self.totals, None, True
         if totals is None:
             return None
         # Each rank's own rows (see `add`), each batch's once: the ranks of a tensor-parallel group hold the same rows,
@@ -55,7 +56,7 @@ class Evaluation:
         """Add one evaluation forward's S and C (every replica's gathered; the padding samples masked before, so
         every row is added) to this rank's totals of the set; this batch's S / C (and router term), as the loss of
         the batch."""
-        if self.totals is not None:
+        if self.running:
             # The model's own loss holds its router term (a term of a subclass's own loss is held back: TRL's).
             router = None if head.route is Route.MODEL_LOSS else terms.router
             self.totals.add(head, terms.sums, terms.counts, router)
@@ -66,7 +67,7 @@ class Evaluation:
         """Add the loss of one whole evaluation batch over every device (a loss over a batch's rows, not a sum over
         them: `hf_parallel.exact.coupled`) to the totals, whose value is then the mean over batches (every rank adds
         the same loss: added over the ranks, its sums and counts alike)."""
-        if self.totals is not None:
+        if self.running:
             self.totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
 
 
@@ -87,14 +88,10 @@ class EvalTotals:
     ) -> None:
         """Add the rows of one batch (this rank's, duplicates masked)."""
         self.head = head
-        sums, counts = row_sums.detach().double().sum(0), row_counts.detach().sum(0)
-        if self.sums is None:
-            self.sums, self.counts = sums, counts
-        else:
-            self.sums, self.counts = self.sums + sums.to(self.sums.device), self.counts + counts.to(self.counts.device)
+        self.sums = _added(self.sums, row_sums.detach().double().sum(0))
+        self.counts = _added(self.counts, row_counts.detach().sum(0))
         if router is not None:
-            router = router.detach().double().sum(0)
-            self.router = router if self.router is None else self.router + router.to(self.router.device)
+            self.router = _added(self.router, router.detach().double().sum(0))
 
     def add_over(self, add: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace each total by `add(total)` (a collective: added over ranks, which all evaluated as many batches)."""
@@ -111,3 +108,8 @@ class EvalTotals:
         if self.router is not None and self.head.router is not None:
             value = value + self.head.router.loss(self.router)  # the router term of the whole set, as one forward
         return value.item()
+
+
+def _added(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """`total + part` (on the total's device), or `part` where there is no total yet."""
+    return part if total is None else total + part.to(total.device)
