@@ -120,7 +120,7 @@ def test_imports_point_down():
     importers = {m for m in SOURCES if "hf_parallel.trainer" in _imports(m, top_level_only=False)}
     assert importers <= {"hf_parallel"}, importers
     # The Trainer and the loop reach the loss core through its face only.
-    for module in ("hf_parallel.trainer", "hf_parallel.loop"):
+    for module in ("hf_parallel.trainer", "hf_parallel.loss_overrides", "hf_parallel.loop"):
         inside = {m for m in _imports(module, top_level_only=False) if m.startswith("hf_parallel.exact.")}
         assert not inside, (module, inside)
     # The head families build on each other and on their base, never on the machinery above them.

@@ -24,7 +24,7 @@ PLAIN_FILES, PLAIN_FUNCTIONS = 6, 30
 PLAIN = ("Llama causal LM, one process", "the same on 2 DDP ranks")
 # The one step's own functions, which every run enters (a hand-written loop: those under exact/).
 PIPELINE = {("exact/step.py", "count_step"), ("exact/step.py", "micro_batch_loss")}
-# What a plain step never enters: the package's face, the rooms of engines and families it does not use, the check.
+# What a plain step never enters: the package's face, the engines and families it does not use, the check.
 NOT_ENTERED = (
     "__init__.py",
     "engines/",
@@ -59,7 +59,7 @@ def test_a_step_after_the_first_takes_the_one_step_through_few_files_and_functio
     assert len(functions) <= most_functions, f"{name}: {len(functions)} functions:\n{path}"
     if name in PLAIN:
         entered = [p for p in files if p.startswith(NOT_ENTERED)]
-        assert not entered, f"rooms a plain step does not use: {entered}\n{path}"
+        assert not entered, f"parts a plain step does not use: {entered}\n{path}"
 
 
 def test_the_first_step_takes_the_one_step_and_checks_the_head(tmp_path):
