@@ -432,6 +432,7 @@ def epoch_results(ddp_results) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~12-19 s): .ci/run runs the full step
 @pytest.mark.parametrize("name", [*EPOCH_RUNS, *EPOCH_RUNS_ITERABLE])
 def test_the_last_step_of_an_epoch_equals_one_device_on_the_leftover_rows(name, epoch_results):
     iterable = name in EPOCH_RUNS_ITERABLE
@@ -447,6 +448,7 @@ def test_the_last_step_of_an_epoch_equals_one_device_on_the_leftover_rows(name, 
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~12-19 s): .ci/run runs the full step
 def test_epoch_remainder_controls(epoch_results):
     reference = one_device_epoch("bert_single_label", 10)
     initial = {n: p.detach() for n, p in CASES["bert_single_label"].build(0).named_parameters()}

@@ -210,10 +210,10 @@ def padded_rows(
         return ()
     if end.remainder < 0:
         warn_once(
-            "exact_loss: the training set is iterable, each rank reads it itself (dispatch_batches=False) and "
-            "its samples could not be counted, so the rows accelerate repeats to fill the last step of an epoch "
-            "cannot be told apart; that step trains on them, as stock does. Set dataloader_num_workers=0 or let "
-            "rank 0 dispatch the batches."
+            "exact_loss: the dataset is iterable, each rank reads it itself (dispatch_batches=False) and its "
+            "samples could not be counted, so the rows accelerate repeats to fill the last batch of an epoch (or "
+            "of an evaluation) cannot be told apart; they count, as stock counts them. Set "
+            "dataloader_num_workers=0 or let rank 0 dispatch the batches."
         )
         return ()
     last = batches[-1]

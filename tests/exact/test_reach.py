@@ -361,6 +361,7 @@ def stream_report(ddp_report) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~12-19 s): .ci/run runs the full step
 def test_iterable_evaluation_each_rank_reads_counts_each_sample_once(stream_report):
     for n in STREAM_EVAL_SIZES:
         expected = _stream_definition(n)
@@ -377,6 +378,7 @@ def test_iterable_evaluation_each_rank_reads_counts_each_sample_once(stream_repo
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~12-19 s): .ci/run runs the full step
 def test_iterable_training_each_rank_reads_trains_the_real_leftover_rows_only(stream_report):
     reference = one_device_epoch("bert_single_label", 9, **ITERABLE)
     ours, stock = stream_report["train ours"], stream_report["train stock"]
@@ -391,6 +393,7 @@ def test_iterable_training_each_rank_reads_trains_the_real_leftover_rows_only(st
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~12-19 s): .ci/run runs the full step
 def test_iterable_training_with_dataloader_drop_last_leaves_the_repeats_out_too(stream_report):
     # One process: its iterable dataloader keeps row 8.
     reference = one_device_epoch("bert_single_label", 9, **ITERABLE)
