@@ -80,6 +80,28 @@ def test_temporarily_restores_even_on_error():
     assert box.value == 1
 
 
+def test_temporarily_lets_a_shadowed_method_show_through_again():
+    class Box:
+        def value(self):
+            return "the class's"
+
+    box, own = Box(), Box()
+    own.value = lambda: "the instance's"
+    with temporarily(box, "value", lambda: "within"), temporarily(own, "value", lambda: "within"):
+        assert box.value() == own.value() == "within"
+    # Not left as an instance attribute (a bound method kept on it would hide a later patch of the class).
+    assert "value" not in vars(box) and box.value() == "the class's"
+    assert own.value() == "the instance's"  # an instance attribute before stays one
+    Box.value = lambda self: "patched"
+    assert box.value() == "patched"
+    # A submodule lives in `_modules`, not in the instance's dict: set back, not removed.
+    wrapper, inner = torch.nn.Sequential(torch.nn.Linear(1, 1)), torch.nn.Linear(1, 1)
+    before = wrapper[0]
+    with temporarily(wrapper, "0", inner):
+        assert wrapper[0] is inner
+    assert wrapper[0] is before
+
+
 @pytest.mark.parametrize(("name", "parameters", "why"), CALLED, ids=[row[0] for row in CALLED])
 def test_called_methods_exist_with_their_parameters(name, parameters, why):
     stock = Seq2SeqTrainer if name in ("compute_loss_context_manager", "_prepare_inputs") else transformers.Trainer
