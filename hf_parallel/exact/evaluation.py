@@ -68,7 +68,7 @@ class Evaluation:
         them: `hf_parallel.exact.coupled`) to the totals, whose value is then the mean over batches (every rank adds
         the same loss: added over the ranks, its sums and counts alike)."""
         if self.running:
-            self.totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long))
+            self.totals.add(head, loss.detach().reshape(1, 1), torch.ones(1, 1, dtype=torch.long, device=loss.device))
 
 
 class EvalTotals:

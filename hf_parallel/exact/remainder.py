@@ -193,9 +193,10 @@ def padded_rows(
     head, batches: list[dict], end: EpochEnd | None, process_index: int, pads: bool, warn_once: Callable[[str], None]
 ) -> tuple[int | None, ...]:
     """
-    Per batch of `batches`, how many of its leading samples are real where an epoch's end padded the last of them
-    (see `hf_parallel.exact.remainder`), so that the rest is left out of the counts and sums (None for the others);
-    empty where none is padding.
+    Per batch of `batches`, how many of its leading samples are real where an epoch's end padded the last global
+    batch (see `hf_parallel.exact.remainder`), so that the rest is left out of the counts and sums (None for the
+    others); empty where none is padding. Every rank marks its last batch alike, its padding or not, so that what
+    depends on it (the check of a head skips a padded forward) takes the same collectives on every rank.
 
     Args:
         head (`LossHead`): the step's head.
@@ -222,7 +223,7 @@ def padded_rows(
     else:  # a contrastive or preference batch, without labels
         samples = rows_of(last) // head.rows_per_sample
     real = real_rows(samples, end.remainder, process_index)
-    return () if real is None or real >= samples else (None,) * (len(batches) - 1) + (real,)
+    return () if real is None else (None,) * (len(batches) - 1) + (real,)
 
 
 class LoopPadding:
@@ -248,12 +249,15 @@ class LoopPadding:
         #: This rank's real samples of an epoch under a padding `DistributedSampler` (None: none is padding), and the
         #: samples read so far.
         self.sampler_real = None
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last and num_processes > 1:
+        pads = isinstance(sampler, DistributedSampler) and sampler.total_size > len(sampler.dataset)
+        if pads and not sampler.drop_last and num_processes > 1:
             self.sampler_real = max(0, math.ceil((len(sampler.dataset) - process_index) / num_processes))
+            self.epoch_samples = sampler.num_samples  # every rank's samples of an epoch, the padding included
         self.seen = 0
 
     def mark(self, head, batches: list[dict], end: EpochEnd | None) -> tuple[int | None, ...]:
-        """Per batch of `batches`, how many of its leading samples are real; empty where none is padding."""
+        """Per batch of `batches`, how many of its leading samples are real (on every rank, its last of the epoch,
+        as `padded_rows` marks it); empty where none is padding."""
         if self.accelerator is not None:
             loader = self.accelerator.gradient_state.active_dataloader
             pads = self.accelerator.even_batches and not getattr(loader, "_drop_last", False)
@@ -263,5 +267,6 @@ class LoopPadding:
             rows = len(batch[head.label_keys[0]]) if head.label_keys else rows_of(batch)
             real = rows if self.sampler_real is None else min(rows, max(0, self.sampler_real - self.seen))
             self.seen += rows
-            marks.append(real if real < rows else None)
+            ends = self.sampler_real is not None and self.seen >= self.epoch_samples
+            marks.append(real if real < rows or ends else None)
         return tuple(marks) if any(mark is not None for mark in marks) else ()

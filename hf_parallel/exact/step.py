@@ -315,7 +315,8 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     items = _items(head, inputs, context.main_input_name, real)
     if real is not None:
         inputs = real_samples(head, inputs, real)
-    count = step.total if step is not None else items.sum()
+    # In evaluation, the batch's own count; a batch of none (an epoch's repeats alone) gives 0, not 0 / 0.
+    count = step.total if step is not None else items.sum().clamp(min=1)
     if head.router is not None:
         inputs = {**inputs, "output_router_logits": True}
     with _router_of_forward(head, exact.unwrap(model)) as router:

@@ -1,5 +1,5 @@
 """
-The numbers of the exact loss: what one forward contributes (`Terms`: per-sample loss sums S and item counts C, the
+The numbers of the exact loss: what one forward contributes (`Terms`: loss sums S and item counts C, the
 user's loss, a check's verdicts, a MoE router's statistics), and the watch on a model's own loss call a head may
 declare (`watching_loss_call`).
 """
@@ -24,14 +24,15 @@ __all__ = ["Terms", "batch_device", "chosen_terms", "watching_loss_call"]
 class Terms(NamedTuple):
     """
     What a forward contributes to the loss, computed where its outputs are (a NamedTuple: DataParallel gathers it
-    field by field, one row per replica or sample).
+    field by field).
 
     Args:
-        sums (`torch.Tensor`, *optional*): `[samples, terms]` loss sums.
-        counts (`torch.Tensor`, *optional*): `[samples, terms]` item counts.
+        sums (`torch.Tensor`, *optional*): `[rows, terms]` loss sums: a row per sample, or one for a whole forward
+            (the model's own loss, a packed row's sequences); DataParallel's replicas' rows one after the other.
+        counts (`torch.Tensor`, *optional*): `[rows, terms]` item counts, row for row.
         user_loss (`torch.Tensor`, *optional*): `[1]`, the user loss (divided by the whole count already).
         check (`ReplicaCheck`, *optional*): what a checked forward says of the candidate heads.
-        router (`torch.Tensor`, *optional*): `[samples, 2E + 1]`, a MoE model's router statistics
+        router (`torch.Tensor`, *optional*): `[1, 2E + 1]` per forward, a MoE model's router statistics
             (`hf_parallel.exact.heads.router`): one row per forward (the padding rows left out).
     """
 

@@ -73,3 +73,35 @@ def test_a_step_finds_its_padded_micro_batch_by_its_tensors():
     with pytest.raises(ValueError, match="not one of the step's counted micro-batches"):
         step.real_rows_of({"labels": torch.tensor([[0, 0, 0]])})
     assert count_step(exact, CrossEntropyHead(), [first, last]).real_rows_of({"labels": torch.zeros(1)}) is None
+
+
+def test_every_rank_marks_the_last_batch_of_a_padded_epoch_alike():
+    """
+    A rank whose last batch is all real marks it too (as many real rows as it holds): what depends on a padded step
+    (the check of a head skips a padded forward, and the check's vote is a collective) must take the same path on
+    every rank, or the ranks wait on each other.
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from hf_parallel.exact.remainder import EpochEnd, LoopPadding, padded_rows
+
+    head = QuestionAnsweringHead()
+    batch = {"start_positions": torch.arange(4), "end_positions": torch.arange(4)}
+    # 14 rows for 2 ranks x 4 x 2 micro-batches: the last global batch holds 6 real rows, rank 0 its 4, rank 1 two.
+    marks = [padded_rows(head, [batch, batch], EpochEnd(6, False), rank, True, print) for rank in (0, 1)]
+    assert marks == [(None, 4), (None, 2)]
+    assert padded_rows(head, [batch], EpochEnd(0, False), 0, True, print) == ()  # the epoch divides evenly
+
+    # A DistributedSampler's padding in a hand-written loop: 5 samples for 2 ranks, batches of 2; rank 0 reads
+    # samples 0, 2, 4 (all real), rank 1 reads 1, 3 and sample 0 again.
+    rows = [{"start_positions": torch.tensor([i]), "end_positions": torch.tensor([i])} for i in range(5)]
+    seen = []
+    for rank in (0, 1):
+        loader = DataLoader(rows, batch_size=2, sampler=DistributedSampler(rows, 2, rank, shuffle=False))
+        padding = LoopPadding(ExactLoss(), loader, "x", None, rank, 2)
+        seen.append([padding.mark(head, [b], None) for b in loader])
+    assert seen == [[(), (1,)], [(), (0,)]]
+    even = [{"start_positions": torch.tensor([i]), "end_positions": torch.tensor([i])} for i in range(4)]
+    loader = DataLoader(even, batch_size=2, sampler=DistributedSampler(even, 2, 1, shuffle=False))
+    padding = LoopPadding(ExactLoss(), loader, "x", None, 1, 2)
+    assert [padding.mark(head, [b], None) for b in loader] == [()]  # no padding: nothing marked
