@@ -272,6 +272,7 @@ def _assert_ranks_hold_the_same(runs: list[dict], key: tuple[str, str]) -> None:
         assert torch.equal(zero, one), f"{key}: the ranks' parameters differ after step {step}"
 
 
+@pytest.mark.full  # a 2-rank spawn (~8-11 s): .ci/run runs the full step
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", [name for name, run in TWO_RANKS.items() if not run[3]])
 def test_two_ddp_ranks_equal_one_device(kind, name, two_rank_runs):
@@ -288,6 +289,7 @@ def _relative_update_difference(params: torch.Tensor, ref: dict) -> float:
     return float((params - ref["params"][-1]).norm() / (ref["params"][-1] - ref["init"]).norm())
 
 
+@pytest.mark.full  # a 2-rank spawn (~8-11 s): .ci/run runs the full step
 @pytest.mark.parametrize("kind", KINDS)
 def test_stock_loop_differs(kind, two_rank_runs):
     ref = reference(kind)

@@ -199,6 +199,7 @@ def assert_ddp_exact(case: Case, expected: tuple[float, dict], ddp_results: dict
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~8-11 s): .ci/run runs the full step
 def test_ddp_ranks_agree_on_the_head_and_stay_exact(ddp_results):
     assert_ddp_exact(BART_DECODER, reference(BART_DECODER), ddp_results)
 
@@ -322,6 +323,7 @@ def test_fsmt_is_exact_with_its_labels_in_the_forward(topology, evaluate_first, 
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a 2-rank spawn (~8-11 s): .ci/run runs the full step
 def test_ddp_ranks_switch_fsmt_alike_and_stay_exact(ddp_results):
     assert_ddp_exact(FSMT, fsmt_reference(FSMT), ddp_results)
 
