@@ -15,7 +15,9 @@ from torch import nn
 from transformers import TrainerControl, TrainerState
 
 from hf_parallel import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback, suggest_gpu0_bsz
-from hf_parallel.exact import ExactLoss, ReplicaCheck, Terms, candidate_heads
+from hf_parallel.exact import ExactLoss
+from hf_parallel.exact.compare import ReplicaCheck, candidate_heads
+from hf_parallel.exact.terms import Terms
 from hf_parallel.saving.checkpoints import checkpoint_weight_files, stored_keys
 from hf_parallel.testing import simulate_data_parallel
 from tests.helpers.harness import Topology, assert_same_weights, run_case, training_args, weights_of

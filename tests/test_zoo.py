@@ -25,7 +25,8 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from benchmarks.zoo import check_model, report
 from benchmarks.zoo_models import HEAD_KINDS, ROUTER_KIND, ZooModel, zoo_models
-from hf_parallel.exact import CrossEntropyHead, candidate_heads
+from hf_parallel.exact import CrossEntropyHead
+from hf_parallel.exact.compare import candidate_heads
 from hf_parallel.exact.heads.decoder import LabelsInForwardHead, decoder_input_ids, watch_decoder
 from hf_parallel.exact.resolve import resolve_head
 from tests.helpers.harness import TRAIN_ROWS, Topology, max_relative_diff, run_case, run_ddp_runs

@@ -45,80 +45,36 @@ one warning. The one step every run takes (`step`: count, per-micro-batch loss, 
 head family or an engine: `docs/contributing.md`.
 """
 
-from .check import MAX_CHECKS, ModelLossCheck
-from .compare import ReplicaCheck, candidate_heads, replica_check
 from .core import ExactLoss
 from .engine import Engine, pick_engine
-from .evaluation import EvalTotals, Evaluation
 from .fallback import stock_compute_loss, stock_training_step
-from .heads import (
-    IGNORE_INDEX,
-    CrossEntropyHead,
-    LossHead,
-    MultiLabelHead,
-    QuestionAnsweringHead,
-    RegressionHead,
-    Route,
-    routed,
-    token_losses,
-)
-from .heads.base import sequence_length
-from .heads.contrastive import rows_of
-from .heads.router import RouterBalance, router_balance_of
-from .heads.trainers import GenerationHead, KtoHead, PairsAndSftHead, TrainerLossHooks, trainer_loss_head
-from .remainder import (
-    EpochEnd,
-    LoopPadding,
-    epoch_end,
-    ragged_gathers,
-    real_batches,
-    real_rows,
-)
-from .replicas import (
-    AUTOCAST_DTYPES,
-    caller_autocast,
-    is_data_parallel,
-    replica_autocast,
-    replica_precision,
-    stock_replica_precision,
-)
+from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, Route
+from .heads.trainers import trainer_loss_head
+from .remainder import EpochEnd, LoopPadding, epoch_end, ragged_gathers, real_batches
+from .replicas import caller_autocast, is_data_parallel, replica_autocast, stock_replica_precision
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .step import RunContext, StepCounts, count_step, micro_batch_loss, pull_batches
 from .streams import count_samples
-from .terms import Terms, batch_device
+from .terms import batch_device
 
 __all__ = [
-    "AUTOCAST_DTYPES",
-    "IGNORE_INDEX",
-    "MAX_CHECKS",
     "CrossEntropyHead",
     "Engine",
     "EpochEnd",
-    "EvalTotals",
-    "Evaluation",
     "ExactLoss",
-    "GenerationHead",
-    "KtoHead",
     "LoopPadding",
     "LossHead",
-    "ModelLossCheck",
-    "PairsAndSftHead",
     "MultiLabelHead",
     "ProblemTypeUnsettled",
     "QuestionAnsweringHead",
     "RegressionHead",
-    "ReplicaCheck",
     "Route",
-    "RouterBalance",
     "RunContext",
     "StepCounts",
-    "Terms",
-    "TrainerLossHooks",
     "UnsupportedHead",
     "batch_device",
     "caller_autocast",
     "count_step",
-    "candidate_heads",
     "count_samples",
     "epoch_end",
     "is_data_parallel",
@@ -127,18 +83,10 @@ __all__ = [
     "pull_batches",
     "ragged_gathers",
     "real_batches",
-    "real_rows",
     "replica_autocast",
-    "replica_check",
-    "replica_precision",
     "resolve_head",
-    "routed",
-    "router_balance_of",
-    "rows_of",
-    "sequence_length",
     "stock_compute_loss",
     "stock_replica_precision",
     "stock_training_step",
-    "token_losses",
     "trainer_loss_head",
 ]

@@ -28,9 +28,9 @@ from transformers import (
     default_data_collator,
 )
 
-from hf_parallel.exact import CrossEntropyHead, ReplicaCheck, Route, replica_check
+from hf_parallel.exact import CrossEntropyHead, Route
 from hf_parallel.exact.check import Verdict, Votes, decide
-from hf_parallel.exact.compare import probe_count
+from hf_parallel.exact.compare import ReplicaCheck, probe_count, replica_check
 from tests.helpers.harness import Topology, max_relative_diff, run_case
 from tests.helpers.heads import Case
 from tests.helpers.tiny import tiny

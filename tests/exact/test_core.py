@@ -6,17 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_parallel.exact import (
-    CrossEntropyHead,
-    ExactLoss,
-    ReplicaCheck,
-    RunContext,
-    StepCounts,
-    Terms,
-    candidate_heads,
-    count_step,
-    micro_batch_loss,
-)
+from hf_parallel.exact import CrossEntropyHead, ExactLoss, RunContext, StepCounts, count_step, micro_batch_loss
+from hf_parallel.exact.compare import ReplicaCheck, candidate_heads
+from hf_parallel.exact.terms import Terms
 from tests.helpers.heads import CASES, batch_of
 from tests.helpers.tiny import tiny_bert_classifier
 

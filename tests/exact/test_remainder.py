@@ -9,8 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_parallel.exact import CrossEntropyHead, ExactLoss, QuestionAnsweringHead, count_step, real_rows
-from hf_parallel.exact.remainder import TARGET_KEYS, first_rows, mask_padding, packed_sample_ids, sample_ids_of
+from hf_parallel.exact import CrossEntropyHead, ExactLoss, QuestionAnsweringHead, count_step
+from hf_parallel.exact.remainder import (
+    TARGET_KEYS,
+    first_rows,
+    mask_padding,
+    packed_sample_ids,
+    real_rows,
+    sample_ids_of,
+)
 
 
 @pytest.mark.parametrize(
