@@ -203,7 +203,7 @@ def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
         and loss.dtype in (torch.float32, torch.float64)
         and head.num_terms == 1
         # A MoE model's loss adds its router term of these rows: taken back out where the outputs carry it (the
-        # exact router term is added apart, `router_terms`).
+        # exact router term is added apart, `RouterBalance.forward_stats`).
         and (head.router is None or model_router_term(head, outputs) is not None)
         and compared_head(head) is head
     )

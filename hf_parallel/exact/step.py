@@ -31,7 +31,6 @@ for batch in batches:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -65,7 +64,6 @@ __all__ = [
     "micro_batch_loss",
     "model_labels",
     "pull_batches",
-    "router_terms",
     "sample_terms",
     "split_labels",
 ]
@@ -319,7 +317,8 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     count = step.total if step is not None else items.sum().clamp(min=1)
     if head.router is not None:
         inputs = {**inputs, "output_router_logits": True}
-    with _router_of_forward(head, exact.unwrap(model)) as router:
+    within = head.router.first_forward(exact.unwrap(model)) if head.router is not None else contextlib.nullcontext([])
+    with within as router:
         result = context.trainer_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=count, items=items, padding=real == 0
         )
@@ -328,37 +327,9 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
     sums = head.sums(loss, count, items)
     stats = None
     if router:  # the policy's router statistics, the padding rows of an epoch's last step (SFT's, kept) left out
-        stats = router[0]
-        if real is not None and (head.ignore_index_items or real == 0):  # rows not cut (SFT's; a batch of padding)
-            stats = stats.where(row_mask(len(stats), real, stats.device), 0)
-        stats = stats.sum(0, keepdim=True)
+        uncut = real is not None and (head.ignore_index_items or real == 0)  # rows not cut (SFT's; a batch of padding)
+        stats = head.router.forward_stats(router[0], real if uncut else None)
     return reduce(exact, head, Terms(sums.reshape(1, -1), items.reshape(1, -1), router=stats), step), outputs
-
-
-@contextlib.contextmanager
-def _router_of_forward(head: LossHead, model: nn.Module):
-    """
-    Around a Trainer subclass's loss with a MoE router (`head.router`: its own router term held back, see
-    `hf_parallel.exact.heads.trainers`): yields a list that receives the `[rows, 2E + 1]` router statistics of the
-    first forward of `model`'s backbone (the policy's; a reference forward follows it).
-    """
-    found: list[torch.Tensor] = []
-    if head.router is None:
-        yield found
-        return
-
-    def record(module, args, kwargs, outputs):
-        if not found:
-            rows = next(v for v in (*args, *kwargs.values()) if torch.is_tensor(v)).shape[0]
-            stats = head.router.row_stats(outputs, kwargs.get("attention_mask"), rows)
-            if stats is not None:
-                found.append(stats)
-
-    handle = model.base_model.register_forward_hook(record, with_kwargs=True)
-    try:
-        yield found
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
@@ -480,7 +451,9 @@ class _Forward:
                 terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
         if head.router is None:
             return terms
-        return terms._replace(router=router_terms(head, outputs, labels, inputs, self.real))
+        rows = next(iter(model_labels(labels).values())).shape[0]
+        stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
+        return terms._replace(router=head.router.forward_stats(stats, self.real))
 
     def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """`head`'s `[rows, terms]` sums and counts on these outputs (`sample_terms`)."""
@@ -555,46 +528,17 @@ def reduce(exact, head: LossHead, terms: Terms, step: StepCounts | None) -> torc
 
 
 # ---- A MoE router's term (`hf_parallel.exact.heads.router`), added to its head's ----
-def router_terms(head: LossHead, outputs, labels: dict, inputs: dict, real: int | None = None) -> torch.Tensor | None:
-    """
-    A MoE model's router statistics on this forward's rows, the rows from `real` on (an epoch's padding) left out,
-    added up: `[1, 2E + 1]`, in training and evaluation alike; None for outputs without router logits.
-    """
-    rows = next(iter(model_labels(labels).values())).shape[0]
-    stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
-    if stats is None:
-        return None
-    if real is not None:
-        stats = stats.where(row_mask(rows, real, stats.device).reshape(-1, 1), 0)
-    return stats.sum(0, keepdim=True)
-
-
 def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], marks, device) -> torch.Tensor:
     """The router statistics of the whole step, over every rank: a forward of each micro-batch without gradient, under
     the random state the training forwards then draw from again."""
     forward = exact.unwrap(model) if exact.engine.replicas else model  # a DataParallel's: on one device
-    if head.route is Route.TRAINER_LOSS:
-        forward, batches = _backbone_forward(head, exact.unwrap(model), batches, marks)
+    if head.route is Route.TRAINER_LOSS:  # its backbone, on the real samples (an epoch's repeated rows out)
+        forward, batches = head.router_forward(exact.unwrap(model)), real_batches(head, batches, marks)
         marks = (None,) * len(batches)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         router = head.router.step_stats(forward, batches, head.label_keys, marks)
     return exact.engine.add_counts(router.to(device))
-
-
-def _backbone_forward(head: LossHead, model: nn.Module, batches: list[dict], marks) -> tuple[Callable, list[dict]]:
-    """
-    For a Trainer subclass's batches (TRL's: keys of its own beside the model's): a forward of the model's backbone,
-    which holds the router, given the inputs it takes, and the batches cut to their real samples (an epoch's repeated
-    rows out, a batch of them alone dropped).
-    """
-    backbone = model.base_model
-    accepted = inspect.signature(backbone.forward).parameters
-
-    def forward(**inputs):
-        return backbone(**{key: value for key, value in inputs.items() if key in accepted}, output_router_logits=True)
-
-    return forward, real_batches(head, batches, marks)
 
 
 def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:

@@ -26,6 +26,7 @@ x the accumulation steps).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -116,6 +117,37 @@ class RouterBalance:
         assignments, kept = assignments.to(probabilities.device, probabilities.dtype), kept.to(probabilities.device)
         scale = self.coef * self.experts / kept.to(probabilities.dtype).clamp(min=1).pow(2)
         return (assignments * probabilities).sum() * scale
+
+    def forward_stats(self, stats: torch.Tensor | None, real: int | None = None) -> torch.Tensor | None:
+        """`[1, 2E + 1]`: a forward's `[rows, 2E + 1]` statistics (`row_stats`) added up, the rows from `real` on (an
+        epoch's padding) left out, in training and evaluation alike; None without them (no router logits)."""
+        if stats is None:
+            return None
+        if real is not None:
+            stats = stats.where((torch.arange(len(stats), device=stats.device) < real).reshape(-1, 1), 0)
+        return stats.sum(0, keepdim=True)
+
+    @contextlib.contextmanager
+    def first_forward(self, model):
+        """
+        Around a Trainer subclass's loss (its own router term held back, see `hf_parallel.exact.heads.trainers`):
+        yields a list that receives the `[rows, 2E + 1]` statistics of the first forward of `model`'s backbone (the
+        policy's; a reference forward follows it).
+        """
+        found: list[torch.Tensor] = []
+
+        def record(module, args, kwargs, outputs):
+            if not found:
+                rows = next(v for v in (*args, *kwargs.values()) if torch.is_tensor(v)).shape[0]
+                stats = self.row_stats(outputs, kwargs.get("attention_mask"), rows)
+                if stats is not None:
+                    found.append(stats)
+
+        handle = model.base_model.register_forward_hook(record, with_kwargs=True)
+        try:
+            yield found
+        finally:
+            handle.remove()
 
     def step_stats(self, forward, batches: list[dict], label_keys, real_rows) -> torch.Tensor:
         """

@@ -20,6 +20,7 @@ are means over these items are made the whole step's too (`LoggedMetrics`).
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -81,6 +82,18 @@ class TrainerLossHooks:
         """How the subclass's `compute_loss` is called on a micro-batch of `items` (the head's count), given what the
         step (the set) `shared`: the inputs to give it, and the trainer's attributes (methods too) set around it."""
         return inputs, {}
+
+    def router_forward(self, model) -> Callable:
+        """For a MoE router's statistics of the whole step (`router_balance="step"`): a forward of `model`'s backbone,
+        which holds the router, given the inputs it takes of a batch that carries keys of the subclass's own."""
+        backbone = model.base_model
+        accepted = inspect.signature(backbone.forward).parameters
+
+        def forward(**inputs):
+            taken = {key: value for key, value in inputs.items() if key in accepted}
+            return backbone(**taken, output_router_logits=True)
+
+        return forward
 
 
 class TokenSumHead(TrainerLossHooks, CrossEntropyHead):
