@@ -34,11 +34,10 @@ from .exact import (
     ragged_gathers,
     real_batches,
     replica_autocast,
-    stock_compute_loss,
     stock_replica_precision,
-    stock_training_step,
     trainer_loss_head,
 )
+from .fallback import FALLBACK_NOTE, stock_compute_loss, stock_training_step
 from .launch.guards import check_not_empty, evaluation_dataset_name
 from .upstream import temporarily
 
@@ -74,6 +73,8 @@ class ExactLossOverrides:
             unwrap=self.accelerator.unwrap_model,
             contrastive_negatives=self.args.contrastive_negatives,
             router_balance=self.args.router_balance,
+            fallback="The loss is left to the Trainer: the stock transformers loss, or a subclass's own. "
+            + FALLBACK_NOTE,
         )
         #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
         #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock

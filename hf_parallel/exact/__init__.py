@@ -47,7 +47,6 @@ head family or an engine: `docs/contributing.md`.
 
 from .core import ExactLoss
 from .engine import Engine, pick_engine
-from .fallback import stock_compute_loss, stock_training_step
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, Route
 from .heads.trainers import trainer_loss_head
 from .remainder import EpochEnd, LoopPadding, epoch_end, ragged_gathers, real_batches
@@ -85,8 +84,6 @@ __all__ = [
     "real_batches",
     "replica_autocast",
     "resolve_head",
-    "stock_compute_loss",
     "stock_replica_precision",
-    "stock_training_step",
     "trainer_loss_head",
 ]

@@ -22,7 +22,6 @@ from .check import ModelLossCheck
 from .coupled import CONTRASTIVE_NEGATIVES
 from .engine import pick_engine
 from .evaluation import Evaluation
-from .fallback import FALLBACK_NOTE
 from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
 from .remainder import EpochEnd, epoch_end, padded_rows
@@ -49,8 +48,8 @@ class ExactLoss:
         reduce_sum (`Callable`, *optional*): sums a tensor over ranks (needed when `num_processes > 1`).
         unwrap (`Callable`, *optional*): takes a model out of its wrappers before its head is resolved; run only
             when the head of that model is not cached yet.
-        fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's stock loss when
-            `None`).
+        fallback (`str`, *optional*): what a fallback warning says happens instead (the Trainer's: its stock loss,
+            `hf_parallel.fallback`); the caller's own loss when `None`.
         contrastive_negatives (`str`, *optional*, defaults to `"step"`): under gradient accumulation, a contrastive
             loss over every row of the step (`"step"`, the cached two-pass) or over each micro-batch's
             (`"micro_batch"`, as stock); see `hf_parallel.exact.coupled`.
@@ -94,9 +93,7 @@ class ExactLoss:
         #: marks the padding rows: `evaluation_padding`; `hf_parallel.exact.evaluation`).
         self.evaluation = Evaluation()
         self.unwrap = unwrap or (lambda model: model)
-        self.fallback = fallback or (
-            "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. " + FALLBACK_NOTE
-        )
+        self.fallback = fallback or "The loss is left to the caller: the model's own loss."
         self._heads: dict[tuple, tuple[nn.Module, LossHead | None]] = {}
         self.contrastive_negatives = contrastive_negatives
         self.router_balance = router_balance

@@ -1,5 +1,5 @@
 """
-The stock-loss fallback (hf_parallel.exact.fallback): where hf_parallel leaves the loss to the Trainer (here a
+The stock-loss fallback (hf_parallel.fallback): where hf_parallel leaves the loss to the Trainer (here a
 subclass that overrides `compute_loss`), it still removes stock's world-size factor and its skipped division by the
 accumulation steps when the loss never reads `num_items_in_batch` (a BERT classifier's mean), and leaves a loss that
 reads it (TRL-like) as it is. Each case next to a stock control; the DDP cases run in one spawn of 2 CPU ranks.
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 
 from hf_parallel import Trainer, TrainingArguments
-from hf_parallel.exact.fallback import (
+from hf_parallel.fallback import (
     FALLBACK_NOTE,
     WatchedCount,
     stock_compute_loss,

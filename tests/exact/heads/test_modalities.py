@@ -21,10 +21,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_parallel
 from hf_parallel.exact import resolve_head
-from hf_parallel.exact.fallback import sums_its_loss
 from hf_parallel.exact.heads.base import LOSS_CALL_KEY, LossCallWatch
 from hf_parallel.exact.heads.ctc import CTCHead
 from hf_parallel.exact.resolve import UnsupportedHead
+from hf_parallel.fallback import sums_its_loss
 from tests.helpers.harness import (
     DDP2,
     DDP2_GA2,

@@ -31,7 +31,7 @@ count is scattered into per-replica copies), tensor, context and sequence parall
 
 ```python
 import transformers
-from hf_parallel.exact.fallback import stock_compute_loss, stock_training_step
+from hf_parallel.fallback import stock_compute_loss, stock_training_step
 
 class StockLossTrainer(transformers.Trainer):  # given hf_parallel.TrainingArguments, which carry `exact_loss`
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..upstream import temporarily
+from .upstream import temporarily
 
 __all__ = [
     "FALLBACK_NOTE",
@@ -60,8 +60,10 @@ __all__ = [
     "sums_its_loss",
 ]
 
-# What the fallback warning adds to its reason: what stock does on several devices, and what is still corrected.
+# What the Trainer's fallback warning adds to its reason: that stock's loss is used, what stock does on several
+# devices, and what is still corrected.
 FALLBACK_NOTE = (
+    "The loss is left to the Trainer: the stock transformers loss, or a subclass's own. "
     "Whenever it passes num_items_in_batch (the model's forward takes **kwargs, or a compute_loss_func is set), stock "
     "multiplies that loss by the number of processes (DDP, FSDP, DeepSpeed) and does not divide it by "
     "gradient_accumulation_steps, which is right only for a loss divided by num_items_in_batch. hf_parallel still "
@@ -98,7 +100,7 @@ class WatchedCount(torch.Tensor):
 
     ```python
     import torch
-    from hf_parallel.exact.fallback import WatchedCount
+    from hf_parallel.fallback import WatchedCount
 
     count = WatchedCount.of(torch.tensor(12))
     count.device, count.shape  # count.reads == 0
