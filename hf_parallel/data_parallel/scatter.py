@@ -23,7 +23,7 @@ import torch
 # test is the same one (a tuple with `_asdict` and `_fields`); re-exported here under its old name.
 from accelerate.utils import is_namedtuple
 
-__all__ = ["batch_rows", "is_namedtuple", "scatter_inputs", "scatter_structure"]
+__all__ = ["batch_rows", "is_namedtuple", "scatter_structure"]
 
 
 def _walk_tensors(obj: Any, path: str):
@@ -46,15 +46,14 @@ def scatter_structure(
     num_chunks: int,
     split: Callable[[torch.Tensor], Sequence[Any]],
     copy: Callable[[Any], Sequence[Any]],
-    strict: bool = True,
 ) -> list[Any]:
     """
     Split `obj` into `num_chunks` pieces, walking tuples, lists, dicts and namedtuples like torch's `scatter`:
     tensors with at least one dimension go through `split`, 0-dim tensors through `copy`, anything else is shared.
 
-    Unlike torch's, every branch must by default give exactly `num_chunks` pieces (`zip(strict=True)`): a tensor
-    that splits into fewer pieces raises instead of silently dropping rows. The caller validates sizes first.
-    `strict=False` is torch's own behaviour (the shortest branch wins).
+    Unlike torch's, every branch must give exactly `num_chunks` pieces (`zip(strict=True)`): a tensor that splits
+    into fewer pieces raises instead of silently dropping rows (torch's own zip lets the shortest branch win). The
+    caller validates sizes first.
 
     Args:
         obj (`Any`):
@@ -65,8 +64,6 @@ def scatter_structure(
             Splits a tensor with at least one dimension into its pieces.
         copy (`Callable`):
             Gives a 0-dim tensor's pieces (one per chunk).
-        strict (`bool`, *optional*, defaults to `True`):
-            Whether every branch must give `num_chunks` pieces.
 
     Returns:
         `list`: one piece of `obj` per chunk.
@@ -84,32 +81,16 @@ def scatter_structure(
         if isinstance(value, torch.Tensor):
             return list(copy(value) if value.dim() == 0 else split(value))
         if is_namedtuple(value):
-            return [type(value)(*args) for args in zip(*map(walk, value), strict=strict)]
+            return [type(value)(*args) for args in zip(*map(walk, value), strict=True)]
         if isinstance(value, tuple) and len(value) > 0:
-            return list(zip(*map(walk, value), strict=strict))
+            return list(zip(*map(walk, value), strict=True))
         if isinstance(value, list) and len(value) > 0:
-            return [list(i) for i in zip(*map(walk, value), strict=strict)]
+            return [list(i) for i in zip(*map(walk, value), strict=True)]
         if isinstance(value, dict) and len(value) > 0:
-            return [type(value)(i) for i in zip(*map(walk, value.items()), strict=strict)]
+            return [type(value)(i) for i in zip(*map(walk, value.items()), strict=True)]
         return [value for _ in range(num_chunks)]
 
     return walk(obj)
-
-
-def scatter_inputs(
-    inputs: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    num_chunks: int,
-    split: Callable[[torch.Tensor], Sequence[Any]],
-    copy: Callable[[Any], Sequence[Any]],
-) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
-    """
-    Split a call's positional and keyword arguments into `num_chunks` calls with `scatter_structure` (strict),
-    an empty `()` / `{}` for each chunk when there are none.
-    """
-    # An empty tuple or dict is shared, as any non-tensor: `()` / `{}` for each chunk.
-    scattered_inputs = scatter_structure(tuple(inputs), num_chunks, split, copy)
-    return tuple(scattered_inputs), tuple(scatter_structure(kwargs, num_chunks, split, copy))
 
 
 def batch_rows(inputs: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int | None:

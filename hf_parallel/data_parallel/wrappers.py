@@ -30,7 +30,7 @@ from transformers.utils import is_sagemaker_mp_enabled, logging
 from ..exact.replicas import gathering_as_torch
 from .chunking import balanced_chunk_sizes, check_split_options
 from .replication import replicate_with_routing
-from .scatter import batch_rows, scatter_inputs
+from .scatter import batch_rows, scatter_structure
 
 __all__ = ["BalancedDataParallel", "ExactDataParallel", "balanced_wrapper", "with_exact_replicas"]
 
@@ -149,13 +149,15 @@ class BalancedDataParallel(ExactDataParallel):
             _check_module_device(self)
             positions, sizes = self._plan(inputs, kwargs)
             device_ids = [self.device_ids[p] for p in positions]
-            inputs, module_kwargs = scatter_inputs(
-                inputs,
-                kwargs,
+            # One (positional, keyword) pair per device, unzipped into the two tuples parallel_apply takes; an empty
+            # `()` / `{}` is shared, as any non-tensor.
+            calls = scatter_structure(
+                (tuple(inputs), kwargs),
                 len(device_ids),
                 split=lambda tensor: Scatter.apply(device_ids, sizes, self.dim, tensor),
                 copy=lambda tensor: [tensor.to(torch.device(self.src_device_obj.type, d)) for d in device_ids],
             )
+            inputs, module_kwargs = zip(*calls, strict=True)
             # torch's broadcast needs the source device first: when GPU 0 gets no rows, replicate onto it too and
             # drop that replica (replicated without autograd, it costs no gradient;
             # see hf_parallel.data_parallel.replication).
