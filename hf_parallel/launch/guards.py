@@ -61,11 +61,6 @@ if hasattr(torch.cuda, "_lazy_call"):
     torch.cuda._lazy_call(_record_visible_devices_at_cuda_init)
 
 
-def _no_device_backend() -> bool:
-    """True when this machine has no accelerator that accelerate would form a process group over."""
-    return not (torch.cuda.is_available() or torch.accelerator.is_available())
-
-
 def check_world_size(args) -> None:
     """
     Raise when a launcher started several processes but the Trainer would train in this one alone.
@@ -100,7 +95,8 @@ def check_world_size(args) -> None:
         "(`TrainingArguments(use_cpu=True)`), or launch with ACCELERATE_USE_CPU=1 set, e.g. "
         "`accelerate launch --config_file hf_parallel/configs/cpu_ddp.yaml train.py --use_cpu` "
         "(`hf-parallel config` writes a config for this machine and prints the command)."
-        if _no_device_backend() and not args.use_cpu
+        # No accelerator that accelerate would form a process group over, and the CPU was not asked for.
+        if not (torch.cuda.is_available() or torch.accelerator.is_available() or args.use_cpu)
         else "Launch with `accelerate launch` (or `torchrun`) so that every process joins one process group, and "
         "check that `hf-parallel env` run under the same launcher reports DDP."
     )
