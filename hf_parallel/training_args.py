@@ -169,10 +169,9 @@ def validate_hf_parallel_fields(args) -> None:
     if not isinstance(args.exact_loss, bool):
         raise ValueError(f"exact_loss must be True or False, got {args.exact_loss!r}.")
     check_split_options(args.gpu0_bsz, args.gpu0_weight)
-    if args.contrastive_negatives not in ("step", "micro_batch"):
-        raise ValueError(f"contrastive_negatives must be 'step' or 'micro_batch', got {args.contrastive_negatives!r}.")
-    if args.router_balance not in ("step", "micro_batch"):
-        raise ValueError(f"router_balance must be 'step' or 'micro_batch', got {args.router_balance!r}.")
+    for name in ("contrastive_negatives", "router_balance"):
+        if getattr(args, name) not in ("step", "micro_batch"):
+            raise ValueError(f"{name} must be 'step' or 'micro_batch', got {getattr(args, name)!r}.")
     if args.gpu0_bsz is not None and args.gpu0_bsz > args.per_device_train_batch_size:
         # Under DataParallel the per-step batch is per_device_train_batch_size x n_gpu; GPU 0's even share of it
         # is per_device_train_batch_size, and gpu0_bsz is meant to be at most that.
