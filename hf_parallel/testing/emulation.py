@@ -144,8 +144,7 @@ def _reduce_add(inputs, destination=None):
     for i, tensor in enumerate(inputs):
         if tensor.size() != size:
             raise ValueError(f"input {i} has invalid size: got {tuple(tensor.size())}, but expected {tuple(size)}")
-    if len(inputs) == 1:
-        return inputs[0]
+    # One input is returned as it is (reduce's initial value), as torch's reduce_add does.
     with torch.autocast("cpu", enabled=False):
         return functools.reduce(torch.add, inputs[1:], inputs[0])
 
