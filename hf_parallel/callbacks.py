@@ -13,8 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 from transformers.utils import logging
 
-from .data_parallel import balanced_chunk_sizes, suggest_gpu0_bsz, torch_chunk_sizes
-from .data_parallel.chunking import gpu0_balance
+from .data_parallel.chunking import balanced_chunk_sizes, gpu0_balance, suggest_gpu0_bsz, torch_chunk_sizes
 from .launch.validation import check_whole_number
 from .saving.checkpoints import CHECKPOINT_WEIGHT_FILES, checkpoint_weight_files, load_state_dict, stored_keys
 from .saving.unwrap import DATA_PARALLEL_CLASSES, has_wrapper_prefixes, unwrap_model
