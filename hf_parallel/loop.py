@@ -49,6 +49,7 @@ from .exact import (
     RunContext,
     StepCounts,
     batch_device,
+    calibrate_head,
     caller_autocast,
     count_step,
     epoch_end,
@@ -204,14 +205,16 @@ class ExactLoop:
             with torch.no_grad():
                 for batch in dataloader:
                     batch = _to_device(batch, device)
-                    head = self.exact.head(model, batch)
+                    head, real, context = self.exact.head(model, batch), None, self.run_context()
+                    if head is not None and head.has_labels(batch):
+                        end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
+                        marks = padding.mark(head, [batch], end)
+                        real = marks[0] if marks else None
+                        head = calibrate_head(self.exact, model, head, batch, context, real)  # while its check is open
                     if head is None or not head.has_labels(batch):
                         stock.append(_stock_loss(model(**batch)).detach().float())  # the fallback: mean of means
                         continue
-                    end = epoch_end(self.accelerator.gradient_state) if self.accelerator is not None else None
-                    real = padding.mark(head, [batch], end)
-                    context = self.run_context()
-                    micro_batch_loss(self.exact, model, head, batch, None, context, real=real[0] if real else None)
+                    micro_batch_loss(self.exact, model, head, batch, None, context, real=real)
         finally:
             exact = self.exact.evaluation.finish(self.exact.engine)
             model.train(was_training)
@@ -296,7 +299,8 @@ class LoopStep:
         head = exact.head(model, batch)
         if self._counts is None and exact.labels_present(head, self.batches):
             self._counts = self._count(head, model)
-        if head is None or self._counts is None:
+        head = self._counts.head if self._counts is not None else None  # as the check settled it
+        if head is None:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
             value = _stock_loss(model(**batch)) / len(self.batches)
         else:
@@ -305,10 +309,17 @@ class LoopStep:
         self._done[index] = value.detach()
         return value * loop.backward_divides_by
 
-    def _count(self, head: LossHead, model: nn.Module) -> StepCounts:
+    def _count(self, head: LossHead, model: nn.Module) -> StepCounts | None:
+        """The step's counts for the head its check settles on (first, while the check is open); None: the stock
+        loss, warned once."""
         loop = self.loop
         loop.run_on(model)
         real_rows = self._padding.mark(head, self.batches, self._end)
+        if loop.exact.pending_check(head, model, False) is not None:  # the check of the head, while it is open
+            first_real = real_rows[0] if real_rows else None
+            head = calibrate_head(loop.exact, model, head, self.batches[0], loop.run_context(), first_real)
+            if head is None:
+                return None
         device = batch_device(self.batches[0])
         main_input_name = getattr(loop.exact.unwrap(model), "main_input_name", "input_ids")
         return count_step(loop.exact, head, self.batches, device, main_input_name, model, real_rows=real_rows)

@@ -25,6 +25,7 @@ from .exact import (
     Route,
     RunContext,
     StepCounts,
+    calibrate_head,
     count_samples,
     count_step,
     is_data_parallel,
@@ -185,16 +186,19 @@ class ExactLossOverrides:
         elif end is not None and self.compute_loss_func is None and engine.pads_epoch_end:
             # A user loss sees whole batches, padding too.
             real_rows = self.exact.padded_rows(head, batch_samples, end, self._pads_epoch_end)
-        model, name = self.model_wrapped, self._run_context.main_input_name
-        # A subclass's own loss is its own judge: no check against the model's.
-        settled = self._settled_head is not None or head.route is Route.TRAINER_LOSS
-        step = count_step(self.exact, head, batch_samples, device, name, model, self.model, settled, real_rows)
+        model, context = self.model_wrapped, self._run_context
+        if self._settled_head is None:  # the check of the head against the model's own loss, while it is open
+            first_real = real_rows[0] if real_rows else None
+            head = calibrate_head(self.exact, model, head, batch_samples[0], context, first_real)
+            if head is None:  # the stock loss, warned once naming why
+                return None
+        step = count_step(self.exact, head, batch_samples, device, context.main_input_name, model, real_rows)
         if head.route is Route.TRAINER_LOSS:  # what its micro-batches take of the step (an epoch's repeats left out)
             real = real_batches(head, batch_samples, real_rows)
             shared = head.step_shared(self, step.counts, real, engine.add_counts)
             step = replace(step, shared=shared)
-        if step.settled:
-            self._settled_head = head
+        if self._settled_head is None and self.exact.pending_check(head, self.model, False) is None:
+            self._settled_head = head  # no check is open for it
         return step
 
     @property
@@ -287,9 +291,7 @@ class ExactLossOverrides:
         # The step whose count `num_items_in_batch` is (the tensor get_batch_samples handed out), or stock's.
         step = self._counted_step
         step = step if step is not None and num_items_in_batch is step.total else None
-        if step is None or (not step.settled and self._exact_head(inputs) is None):
-            # Stock's, also for the rest of a step whose first micro-batch fell back (the model's own loss is not
-            # one hf_parallel can recompute): that step was counted as exact.
+        if step is None:
             return stock_training_step(self, super().training_step, model, inputs, num_items_in_batch)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
@@ -305,20 +307,22 @@ class ExactLossOverrides:
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         step = self._counted_step
         step = step if step is not None and num_items_in_batch is step.total else None
-        head = step.head if step is not None and step.settled else self._exact_head(inputs)
+        head = step.head if step is not None else self._exact_head(inputs)
+        real = None
+        if step is None and head is not None and head.has_labels(inputs):  # evaluation (or outside train())
+            if self.exact.evaluation.running:
+                gradient_state = self.accelerator.gradient_state
+                real = self.exact.evaluation_padding(head, inputs, gradient_state, self._pads_epoch_end)
+            if self._run_context is None:  # compute_loss called outside train() and evaluate()
+                self._pick_engine()
+            # The check of the head against the model's own loss, while it is open, on this batch first.
+            head = calibrate_head(self.exact, model, head, inputs, self._run_context, real)
         if head is None or not head.has_labels(inputs):
             count = num_items_in_batch
             with stock_replica_precision(model, self.accelerator.mixed_precision):
                 return stock_compute_loss(self, super().compute_loss, model, inputs, return_outputs, count)
-        real = None
-        if step is None and self.exact.evaluation.running:
-            gradient_state = self.accelerator.gradient_state
-            real = self.exact.evaluation_padding(head, inputs, gradient_state, self._pads_epoch_end)
-        if self._run_context is None:  # compute_loss called outside train() and evaluate()
-            self._pick_engine()
-        context = self._run_context
         loss, outputs = micro_batch_loss(
-            self.exact, model, head, inputs, step, context, return_outputs=return_outputs, real=real
+            self.exact, model, head, inputs, step, self._run_context, return_outputs=return_outputs, real=real
         )
         if step is not None:
             loss = self.exact.engine.as_logged(loss)

@@ -17,7 +17,6 @@ from transformers import TrainerControl, TrainerState
 from hf_parallel import CleanCheckpointCallback, Gpu0BszAdvisorCallback, PeakMemoryCallback, suggest_gpu0_bsz
 from hf_parallel.exact import ExactLoss
 from hf_parallel.exact.compare import ReplicaCheck, candidate_heads
-from hf_parallel.exact.terms import Terms
 from hf_parallel.saving.checkpoints import checkpoint_weight_files, stored_keys
 from hf_parallel.testing import simulate_data_parallel
 from tests.helpers.harness import Topology, assert_same_weights, run_case, training_args, weights_of
@@ -169,19 +168,12 @@ def test_two_replicas_on_one_gpu_read_one_device(monkeypatch, tmp_path):
     assert advisor.measured == {} and advisor.suggestion is None
 
 
-def _checked_terms(fit: float, loss: float) -> Terms:
-    """A checked forward's terms whose one candidate fits as `fit` (NaN: not compared), the losses being `loss`."""
+def _check(fit: float, loss: float) -> ReplicaCheck:
+    """A checked forward's verdicts: its one candidate fits as `fit` (NaN: not compared), the losses being `loss`."""
     unknown = torch.full((1, 1), NAN)
-    check = ReplicaCheck(
-        fits=torch.tensor([[fit]]),
-        losses=torch.tensor([[loss, loss]]).double(),
-        honours=unknown,
-        decoder=unknown,
-        model_loss=torch.zeros(1),
-        sums=(torch.zeros(1, 1),),
-        counts=(torch.ones(1, 1, dtype=torch.long),),
+    return ReplicaCheck(
+        fits=torch.tensor([[fit]]), losses=torch.tensor([[loss, loss]]).double(), honours=unknown, decoder=unknown
     )
-    return Terms(sums=torch.zeros(1, 1), counts=torch.ones(1, 1, dtype=torch.long), check=check)
 
 
 def test_advisor_measures_after_the_exact_loss_check_settles(monkeypatch, tmp_path):
@@ -191,7 +183,7 @@ def test_advisor_measures_after_the_exact_loss_check_settles(monkeypatch, tmp_pa
     exact = ExactLoss(label_names=["labels"])
     head = exact.head(model, {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.tensor([0, 1])})
     candidates = candidate_heads(head)
-    undecided, decided = _checked_terms(NAN, NAN), _checked_terms(1.0, 0.7)
+    undecided, decided = _check(NAN, NAN), _check(1.0, 0.7)
     fake = FakeCuda(monkeypatch, [3 * 2**20, 2**20])
     args = training_args(tmp_path, dp_devices=2, per_device_train_batch_size=4)
     advisor = Gpu0BszAdvisorCallback(after_steps=1, exact=exact)

@@ -153,7 +153,7 @@ def reference(case: Case) -> tuple[float, dict]:
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=[t.name for t in TOPOLOGIES])
 @pytest.mark.parametrize("case", [BART_DECODER, BART_DECODER_SMOOTHING], ids=lambda case: case.name)
 def test_unshifted_decoder_is_exact(case, topology, evaluate_first, hf_parallel_log):
-    # Checked in training, the first micro-batch switches the head the step was counted with: it is recounted.
+    # Checked in training, the check of the first micro-batch switches the head before the step is counted.
     loss, grads = reference(case)
     result = run_case(case, topology, evaluate_first=evaluate_first, eval_rows=7 if evaluate_first else 0)
     assert result.loss == pytest.approx(loss, rel=TOL)

@@ -45,6 +45,7 @@ one warning. The one step every run takes (`step`: count, per-micro-batch loss, 
 head family or an engine: `docs/contributing.md`.
 """
 
+from .checked import calibrate_head
 from .core import ExactLoss
 from .engine import Engine, pick_engine
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, Route
@@ -72,6 +73,7 @@ __all__ = [
     "StepCounts",
     "UnsupportedHead",
     "batch_device",
+    "calibrate_head",
     "caller_autocast",
     "count_step",
     "count_samples",

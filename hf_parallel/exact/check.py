@@ -3,16 +3,17 @@ The model is the judge of its own loss: the check of the head hf_parallel chose 
 
 A head is chosen from the model's class name (`hf_parallel.exact.resolve`), which cannot know every model's loss
 (several `*ForCausalLM` decoders compute an unshifted cross-entropy; some models add a term the logits do not carry).
-So the first forward that uses a head keeps the labels in the model's inputs, and the model's own loss is compared
-with each candidate head on the same rows (`hf_parallel.exact.compare`). `ModelLossCheck` holds the check's state (per
+So before the first step that uses a head is counted, a forward of its first micro-batch keeps the labels in the
+model's inputs, and the model's own loss is compared with each candidate head on the same rows
+(`hf_parallel.exact.checked`, `hf_parallel.exact.compare`). `ModelLossCheck` holds the check's state (per
 model: how many forwards checked it; the decoder watch of the forward under way) and decides from the votes of every
 replica and rank, so that all keep the same head:
 
-- the chosen head fits and no other does: confirmed; another fits instead: it replaces the chosen head, from this
-  micro-batch on (the step is recounted with it);
+- the chosen head fits and no other does: confirmed; another fits instead: it replaces the chosen head, from the step
+  about to be counted on;
 - none fits: the stock loss, with one warning naming the model and both losses;
-- nothing could be compared, or several fit (an untrained model): checked again at the next forward, up to
-  `MAX_CHECKS` forwards, then the chosen head is kept with a warning;
+- nothing could be compared, or several fit (an untrained model): checked again at the next step, up to `MAX_CHECKS`
+  checks, then the chosen head is kept with a warning;
 - the model's loss honours `num_items_in_batch` wherever it could tell: the head takes `Route.MODEL_LOSS`; the model
   built other decoder inputs than its labels give: `Route.LABELS_IN_FORWARD` (`LabelsInForwardHead`).
 
@@ -96,7 +97,7 @@ class Votes(NamedTuple):
 class Verdict:
     """
     What the votes decided: `index` of the candidate to use (None: no candidate fits, the stock loss), whether the
-    decision is `final` (False: the check runs again at the next forward), the mean `model_loss` and `head_loss` (of
+    decision is `final` (False: the check runs again at the next step), the mean `model_loss` and `head_loss` (of
     the first candidate) over the comparisons, for the warning, whether the model built other decoder inputs than
     those built from its labels on a replica of any rank (`decoder_differs`), and whether its loss divided by the
     count it was given on every replica that could tell, and on one at least (`honours_count`).
@@ -132,14 +133,12 @@ def decide(votes: Votes) -> Verdict:
 @dataclass(frozen=True)
 class Settlement:
     """
-    What a checked forward settled: the `head` to compute this micro-batch with from now on (None: the stock loss),
-    the `index` of the candidate whose terms this micro-batch uses, and the warning to give once (`warning`) or, for
-    the stock loss, the reason of the fallback (`fallback`). `changed`: the head differs from the one the step was
-    counted with, or takes another route.
+    What a checked forward settled: the `head` to compute the model's loss with from now on (None: the stock loss),
+    and the warning to give once (`warning`) or, for the stock loss, the reason of the fallback (`fallback`).
+    `changed`: the head differs from the one chosen before the check, or takes another route.
     """
 
     head: LossHead | None
-    index: int | None
     changed: bool = False
     warning: str | None = None
     fallback: str | None = None
@@ -168,10 +167,12 @@ class ModelLossCheck:
     def pending(self, head: LossHead | None, key: tuple, padded: bool = False) -> tuple[LossHead, ...] | None:
         """
         The candidate heads to compare with the model's own loss in the next forward (the model then gets the labels),
-        or None: decided already, no head, a user loss (its own judge), or a batch with `padded` rows (an epoch's)
+        or None: decided already, no head, a loss that is its own judge (a user's, a Trainer subclass's, a contrastive
+        one, checked in `hf_parallel.exact.coupled`), or a batch with `padded` rows (an epoch's)
         the model's loss would count (a cross-entropy's padding targets are masked, any other head's are not).
         """
-        if head is None or head.route is Route.USER_LOSS or self._checks.get(key, 0) < 0:
+        own_judge = head is None or head.route in (Route.USER_LOSS, Route.TRAINER_LOSS) or head.batch_coupled
+        if own_judge or self._checks.get(key, 0) < 0:
             return None
         return None if padded and not head.ignore_index_items else candidate_heads(head)
 
@@ -205,23 +206,28 @@ class ModelLossCheck:
         watch = self._decoder_watch
         return watch.matches(labels["labels"]) if watch is not None else None
 
-    def settle(self, candidates: tuple[LossHead, ...], key: tuple, name: str, check: ReplicaCheck) -> Settlement:
-        """Decide from `check`, gathered from every replica of this process, for the model `name` of `key`."""
+    def settle(
+        self, candidates: tuple[LossHead, ...], key: tuple, name: str, check: ReplicaCheck | None
+    ) -> Settlement:
+        """Decide from `check`, gathered from every replica of this process, for the model `name` of `key`; None where
+        no replica ran it (a wrapper's forward that does not call its module, warned): the chosen head, unchecked."""
+        if check is None:
+            self._checks[key] = -1
+            return Settlement(candidates[0])
         verdict = decide(Votes.of(check).summed(self.reduce_sum))
         mismatches, self._mismatches = self._mismatches, []
         checks = self._checks.get(key, 0) + 1
         self._checks[key] = -1 if verdict.final or checks >= MAX_CHECKS else checks
         if verdict.index is None:
-            return Settlement(None, None, changed=True, fallback=_mismatch(name, candidates, verdict, mismatches))
+            return Settlement(None, changed=True, fallback=_mismatch(name, candidates, verdict, mismatches))
         warning = _undecided(name, candidates, verdict, checks) if not verdict.final and checks >= MAX_CHECKS else None
         head, why = candidates[verdict.index], "own loss is that of"
         if verdict.decoder_differs and head.builds_decoder_inputs:
-            # This micro-batch is right already: its forward had the labels, its terms come from its own logits.
             head, why = keeping_labels_in_forward(head), "forward builds other decoder inputs than its labels give:"
         if verdict.honours_count and verdict.final:
             # Its loss divides by the count it is given: from now on it gets its labels and the step's count.
             head, why = routed(head, Route.MODEL_LOSS), "own loss honours num_items_in_batch; it is"
-        return Settlement(head, verdict.index, changed=head is not candidates[0], warning=warning, why=why)
+        return Settlement(head, changed=head is not candidates[0], warning=warning, why=why)
 
 
 def _names(candidates: tuple[LossHead, ...]) -> str:

@@ -1,71 +1,120 @@
 """
-The first forward of a model's head, checked against the model's own loss: a piece that wraps the plain forward of
-`hf_parallel.exact.step`, so that no other forward carries the check.
+The check of a model's head against the model's own loss, as a stage of its own before the step is counted
+(`calibrate_head`): while the check is open, one forward of the step's first micro-batch (of an evaluation batch,
+before its loss) with the labels kept in the model's inputs, only compared, never back-propagated; the step is then
+counted, and every micro-batch computed, with the head the check settled on. So no step is counted for a head that
+changes afterwards, and no training forward carries the check.
 
-It runs the plain forward with the labels kept in the model's inputs, and, where the model's own loss could be the
-exact one (`can_use_model_loss`), gives it a probe count N = 2C + 1/2 as `num_items_in_batch` (no count of items, and
-twice C, so that a loss divided by it, S / N, and one that keeps its own mean, S / C, differ by a factor of 2 at any C
-and precision; an offset of 1/2 alone moved S / N by 1 / (2C), below a float32 loss's tolerance from 5,000 items on).
-Then every candidate head's terms are compared with the model's loss on the same rows (`replica_check`); in a
-DataParallel replica, for its rows. Where the gradient can come from the model's own loss (`takes_gradient_from_loss`),
-the candidates are computed without autograd, only to compare. `hf_parallel.exact.check` decides from the verdicts of
-every replica and rank.
+Where the model's own loss could be the exact one (`can_use_model_loss`), the forward gives it a probe count
+N = 2C + 1/2 as `num_items_in_batch` (no count of items, and twice C, so that a loss divided by it, S / N, and one that
+keeps its own mean, S / C, differ by a factor of 2 at any C and precision; an offset of 1/2 alone moved S / N by
+1 / (2C), below a float32 loss's tolerance from 5,000 items on). Then every candidate head's terms are compared with
+the model's loss on the same rows (`replica_check`, without autograd); in a DataParallel replica, for its rows.
+`hf_parallel.exact.check` decides from the verdicts of every replica and rank. The forward runs without autograd (a
+loss fused with the LM head, which returns no logits, runs once more with it in training: whether it divides by the
+count is told from its gradient) and within a fork of the random state, so that the step's own forwards draw the
+dropout they would draw without it.
+
+```python
+from hf_parallel.exact import ExactLoss, RunContext, count_step
+from hf_parallel.exact.checked import calibrate_head
+
+exact = ExactLoss()
+head = calibrate_head(exact, model, exact.head(model, batches[0]), batches[0], RunContext())  # None: the stock loss
+step = count_step(exact, head, batches, model=model)
+```
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .compare import probe_count, replica_check, takes_gradient_from_loss
+from .compare import can_use_model_loss, fused_outputs, probe_count, replica_check
 from .heads import HeadMismatch, LossHead, Route
 from .heads.base import sequence_length
-from .terms import Terms, batch_device
+from .replicas import forward_in_replicas
+from .step import PlainForward, RunContext, model_labels, sample_terms, split_labels
+from .terms import Terms, batch_device, watching_loss_call
 
-__all__ = ["CheckedForward"]
+__all__ = ["CheckedForward", "calibrate_head"]
+
+
+def calibrate_head(
+    exact, model: nn.Module, head: LossHead | None, batch: dict, context: RunContext, real: int | None = None
+) -> LossHead | None:
+    """
+    The head to compute `model`'s loss with (`head`, or the candidate the model's own loss fits; None: the stock loss,
+    warned once): while the check of `head` is open (`ModelLossCheck.pending`), decided from one checked forward of
+    `batch` (its leading `real` samples real, an epoch's padding after them) on every replica and rank; `head` itself
+    otherwise, at the cost of one dictionary look-up.
+    """
+    owner = model if context.owner is None else context.owner
+    candidates = exact.pending_check(head, owner, real is not None)
+    if candidates is None:
+        return head
+    # Stock asks a Liger forward for no logits in evaluation without predictions: the check compares the logits.
+    inputs = {key: value for key, value in batch.items() if key != "skip_logits"}
+    inputs, labels = split_labels(head, inputs, model, False, exact.unwrap, real)
+    plain = PlainForward(exact, head, None, context, real=real)
+    run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)), torch.is_grad_enabled())
+    device = batch_device(labels, inputs)
+    cuda = device.type == "cuda"  # the random states to fork: every replica's device under DataParallel
+    devices = (getattr(model, "device_ids", None) or [device.index or 0]) if cuda else []
+    watch = watching_loss_call(head, model, exact.unwrap, checked=True)
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.no_grad(),
+        exact.watching_decoder(candidates, model, inputs),
+        watch as call,
+    ):
+        plain.loss_call = call
+        if exact.engine.replicas:
+            terms, _ = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, False)
+        else:
+            terms, _ = run(model, inputs, labels)
+    return exact.settle(candidates, owner, terms.check)
 
 
 class CheckedForward:
     """
-    The checked first forward: `plain` (a plain forward, `hf_parallel.exact.step`) run with the labels in, and the
-    `candidates` compared with the model's own loss.
+    The checked forward: `plain` (a plain forward, `hf_parallel.exact.step`) run with the labels in, and the
+    `candidates` compared with the model's own loss; returns `Terms` holding the `check` alone.
 
     Args:
-        plain: the plain forward of the head (its `forward`, `terms` and `kept`).
+        plain: the plain forward of the head (its `forward` and `terms`).
         candidates (`tuple[LossHead, ...]`): the heads to compare, the chosen one first.
         probe (`bool`): give the model a probe count (`can_use_model_loss`).
+        gradient (`bool`): whether a fused loss may be asked for its gradient (training).
     """
 
-    def __init__(self, plain, candidates: tuple[LossHead, ...], probe: bool):
-        self.plain, self.candidates, self.probe = plain, candidates, probe
+    def __init__(self, plain, candidates: tuple[LossHead, ...], probe: bool, gradient: bool = False):
+        self.plain, self.candidates, self.probe, self.gradient = plain, candidates, probe, gradient
 
     def __call__(self, run, inputs: dict, labels: dict):
         plain, candidates = self.plain, self.candidates
         head, jury = plain.head, plain.exact.check  # the votes and verdict of the check (`ModelLossCheck`)
-        probe = None  # the count given where the model's loss may divide by it (its own route gives the step's)
+        probe = None  # the count given where the model's loss may divide by it
         if self.probe and head.route is not Route.MODEL_LOSS:
-            targets = plain.targets(labels)
+            targets = model_labels(labels)
             items = head.count(targets, sequence_length(inputs, plain.context.main_input_name)).sum()
-            probe = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(torch.is_grad_enabled())
+            probe = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(self.gradient)
         outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
-        # The gradient from the model's own loss, where the head's is recomputed (not read off the model's loss).
-        from_loss = (
-            not plain.from_model_loss(outputs, count)
-            and plain.loss_func is None
-            and takes_gradient_from_loss(head, outputs)
-        )
+        if probe is not None and self.gradient and fused_outputs(outputs):
+            with torch.enable_grad():  # no logits to compare: the loss's gradient with respect to the count tells
+                outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
         try:
-            terms = plain.terms(outputs, labels, inputs, count, without_grad=from_loss)
+            with torch.no_grad():
+                terms = plain.terms(outputs, labels, inputs, count)
         except HeadMismatch:
             terms = Terms()  # the check rules the head out (`replica_check`)
 
-        # What the forward says of the candidates (`replica_check`; in a DataParallel replica: for its rows), `terms`
-        # holding the first candidate's; the others computed without autograd `from_loss`.
         def terms_of(candidate: LossHead) -> tuple[torch.Tensor, torch.Tensor]:
-            return plain.sample_terms(candidate, outputs, labels, inputs)
+            return sample_terms(candidate, outputs, labels, inputs, plain.real)
 
         known = {candidates[0]: (terms.sums, terms.counts)} if terms.sums is not None else {}
         # The model's loss adds its router term on these rows: so does every candidate's.
-        router = candidates[0].router.loss(terms.router.detach().sum(0)) if terms.router is not None else None
+        router = candidates[0].router.loss(terms.router.sum(0)) if terms.router is not None else None
         vote = jury.decoder_vote(labels)
-        check = replica_check(candidates, outputs, terms_of, known, probe, from_loss, vote, jury.note_mismatch, router)
-        return terms._replace(check=check), plain.kept(outputs)
+        check = replica_check(candidates, outputs, terms_of, known, probe, vote, jury.note_mismatch, router)
+        return Terms(check=check), None

@@ -3,11 +3,10 @@ What one checked forward says about the candidate heads: its rows' loss as the m
 candidate computes from the same logits (`replica_check`; in a DataParallel replica, for its own rows).
 
 A candidate fits when its mean S / C is the model's loss within `tolerance`, or, where the forward was given a count N
-(`num_items_in_batch`; the probe of `hf_parallel.exact.forward` gives 2C + 1/2), its sum S / N: the loss then honours
+(`num_items_in_batch`; the probe of `hf_parallel.exact.checked` gives 2C + 1/2), its sum S / N: the loss then honours
 the count. Without logits (a loss fused with the LM head) only the honouring can be told, from the loss's gradient
-with respect to the count (-S / N^2). The candidates are computed without autograd where the micro-batch's gradient
-can come from the model's own loss (`takes_gradient_from_loss`): the check then keeps no logits-sized buffer of its
-own for the backward.
+with respect to the count (-S / N^2). The candidates are computed without autograd: the check forward is only
+compared, never back-propagated (`hf_parallel.exact.checked`).
 
 ```python
 from hf_parallel.exact.compare import candidate_heads, replica_check
@@ -20,7 +19,6 @@ check = replica_check(candidates, outputs, sample_terms)  # a ReplicaCheck, [1, 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -42,10 +40,8 @@ __all__ = [
     "compared_head",
     "fused_outputs",
     "model_loss",
-    "model_router_term",
     "probe_count",
     "replica_check",
-    "takes_gradient_from_loss",
     "tolerance",
 ]
 
@@ -72,7 +68,7 @@ def can_use_model_loss(head: LossHead | None, model: nn.Module) -> bool:
     """
     Whether the model's own loss could be the exact one for `head`: a per-position cross-entropy without label
     smoothing (the model's loss has none), no user loss, and a forward that takes `num_items_in_batch`. Whether the
-    loss honours the count is for the first forward to show (`replica_check`).
+    loss honours the count is for the check's forward to show (`replica_check`).
     """
     return (
         head is not None
@@ -120,23 +116,12 @@ class ReplicaCheck(NamedTuple):
             not known.
         decoder (`torch.Tensor`): `[1, 1]`: 1 where the model built the decoder inputs the labels give, 0 where it
             built others, NaN where not known.
-        model_loss (`torch.Tensor`): `[1]`: the model's loss as the mean of its items, with its graph (the stock loss
-            of this forward, if no candidate fits).
-        sums (`tuple[torch.Tensor, ...]`): per candidate, `[samples, terms]` loss sums (to compare, and for
-            evaluation's rows).
-        counts (`tuple[torch.Tensor, ...]`): per candidate, `[samples, terms]` item counts.
-        graph_sums (`torch.Tensor`, *optional*): `[1, K]`, where the gradient comes from the model's own loss
-            (`takes_gradient_from_loss`): candidate k's loss sum with the graph to back-propagate if it is chosen.
     """
 
     fits: torch.Tensor
     losses: torch.Tensor
     honours: torch.Tensor
     decoder: torch.Tensor
-    model_loss: torch.Tensor
-    sums: tuple[torch.Tensor, ...]
-    counts: tuple[torch.Tensor, ...]
-    graph_sums: torch.Tensor | None = None
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -172,41 +157,9 @@ def model_loss(outputs) -> torch.Tensor | None:
     return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
-def model_router_term(head: LossHead, outputs) -> torch.Tensor | None:
-    """A MoE model's router term in its own loss, with its graph (`coef x outputs.aux_loss`), or None without one."""
-    if head.router is None or not isinstance(outputs, dict):
-        return None
-    aux = outputs.get("aux_loss")
-    return head.router.coef * aux if torch.is_tensor(aux) and aux.numel() == 1 and aux.requires_grad else None
-
-
 def fused_outputs(outputs) -> bool:
     """Whether a forward's outputs hold no logits (a loss fused with the LM head, Liger's), only its loss."""
     return isinstance(outputs, dict) and not torch.is_tensor(outputs.get("logits"))
-
-
-def takes_gradient_from_loss(head: LossHead, outputs) -> bool:
-    """
-    Whether a checked forward can take the gradient of its micro-batch from the model's own loss instead of a
-    recomputed head (whose log-softmax would be kept for the backward next to the model's: a logits-sized buffer more,
-    GiBs for an LLM): training, a float32/64 loss with a graph, and a per-position head (whose logits are the large
-    ones) of one term without label smoothing (a loss of several terms, or smoothed, cannot be read back from the
-    model's mean). The candidates' sums are then computed without autograd, only to compare.
-    """
-    loss = model_loss(outputs)
-    return (
-        torch.is_grad_enabled()
-        and head.per_position
-        and not fused_outputs(outputs)  # a fused loss's terms are the model's own already (`model_terms`)
-        and loss is not None
-        and loss.requires_grad
-        and loss.dtype in (torch.float32, torch.float64)
-        and head.num_terms == 1
-        # A MoE model's loss adds its router term of these rows: taken back out where the outputs carry it (the
-        # exact router term is added apart, `RouterBalance.forward_stats`).
-        and (head.router is None or model_router_term(head, outputs) is not None)
-        and compared_head(head) is head
-    )
 
 
 def replica_check(
@@ -215,13 +168,13 @@ def replica_check(
     sample_terms: Callable[[LossHead], SampleTerms],
     known: dict[LossHead, SampleTerms] | None = None,
     count: torch.Tensor | None = None,
-    gradient_from_loss: bool = False,
     decoder: torch.Tensor | None = None,
     on_mismatch: Callable[[str], None] | None = None,
     router: torch.Tensor | None = None,
 ) -> ReplicaCheck:
     """
-    What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`.
+    What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`; the candidates' terms are
+    computed without autograd (only compared).
 
     Args:
         candidates (`tuple[LossHead, ...]`): the chosen head, then the others it could be.
@@ -229,8 +182,6 @@ def replica_check(
         sample_terms (`Callable`): `[samples, terms]` loss sums and item counts of a head on these outputs.
         known (`dict`, *optional*): terms computed already, by their head.
         count (`torch.Tensor`, *optional*): the `num_items_in_batch` the model was given (no whole number).
-        gradient_from_loss (`bool`, *optional*): whether S_k is the model's own loss times what it divided by (the
-            candidates' terms are then computed without autograd: `takes_gradient_from_loss`), not candidate k's sums.
         decoder (`torch.Tensor`, *optional*): `[1, 1]`, whether the model built the decoder inputs the labels give.
         on_mismatch (`Callable`, *optional*): told why a candidate could not be computed from these outputs
             (`HeadMismatch`: it then does not fit).
@@ -247,7 +198,7 @@ def replica_check(
     def terms_of(head: LossHead) -> SampleTerms:
         if head not in computed:
             try:
-                with torch.no_grad() if gradient_from_loss else contextlib.nullcontext():
+                with torch.no_grad():
                     computed[head] = sample_terms(head)
             except HeadMismatch as mismatch:
                 # Its loss cannot be computed from these outputs: it does not fit (zeros only stand in for its terms).
@@ -261,63 +212,35 @@ def replica_check(
     # Only a forward given a count (a per-position cross-entropy's) may have fused its loss and built no logits.
     has_logits = count is None or not fused_outputs(outputs)
     first = terms_of(candidates[0])
-    # Without logits no other candidate can be computed (nor chosen: it cannot fit); as many terms all the same.
-    terms = [first, *(terms_of(c) if has_logits else first for c in candidates[1:])]
-    # NaN where the forward returned no loss (or nothing could be compared); the model's mean loss 0 then.
+    # NaN where the forward returned no loss (or nothing could be compared).
     fits = torch.full((1, len(candidates)), float("nan"), device=device)
     losses = torch.full((1, 2), float("nan"), dtype=torch.float64, device=device)
     honours = torch.full((1, 1), float("nan"), device=device)
-    mean = torch.zeros(1, device=device)
     loss = model_loss(outputs)
     n = float(count.detach()) if count is not None else None
-    divided: dict[int, bool] = {}  # per candidate that fits: whether the loss is its sum / n (else its mean)
     if loss is not None:
         if has_logits:
             extra = float(router) if router is not None else 0.0
-            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, divided, mismatched, extra)
-        else:
+            honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, mismatched, extra)
+        else:  # without logits no other candidate can be computed (nor chosen: it cannot fit)
             honours[0, 0] = _honours_by_gradient(loss, count)
         mean = loss * (n / max(int(first[1].sum()), 1)) if honours[0, 0] == 1 else loss  # S / N: its mean is S / C
         losses[0, 0] = mean.detach().double()
-    # Otherwise the chosen candidate's own sums carry the graph, per row as in any forward.
-    graph_sums = _graph_sums(candidates[0], outputs, loss, terms, n, divided) if gradient_from_loss else None
-    sums, counts = zip(*terms, strict=True)
     decoder = decoder.to(device) if decoder is not None else torch.full((1, 1), float("nan"), device=device)
-    return ReplicaCheck(fits, losses, honours, decoder, mean.reshape(1), sums, counts, graph_sums)
-
-
-def _graph_sums(
-    head: LossHead, outputs, loss: torch.Tensor, terms: list, n: float | None, divided: dict
-) -> torch.Tensor:
-    """
-    `[1, K]`: per candidate, the loss sum to back-propagate from the model's loss L (a MoE model's router term taken
-    out): L times n where L is its sum divided by the count n it was given, else L times the items (its mean where it
-    fits; a candidate that does not fit here is never chosen); without items a 0 on the graph of the logits (no row of
-    this replica counts: no gradient, as one device gives none for them; still on the graph, so that a step without
-    any item back-propagates; the model's mean loss over no items is NaN).
-    """
-    own_router = model_router_term(head, outputs)
-    cross_entropy = (loss if own_router is None else loss - own_router).float()
-    graph = []
-    for k, (_, counts) in enumerate(terms):
-        items = counts.sum()
-        if int(items) == 0:
-            graph.append(outputs["logits"].sum().float() * 0.0)
-        else:
-            graph.append(cross_entropy * (n if divided.get(k) else items.to(loss.device).float()))
-    return torch.stack(graph).reshape(1, -1)
+    return ReplicaCheck(fits, losses, honours, decoder)
 
 
 def _compare(
-    candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, divided, mismatched, extra: float = 0.0
+    candidates, terms_of, loss: torch.Tensor, n: float | None, fits, losses, mismatched, extra: float = 0.0
 ) -> float:
     """
     Fill `fits` (whether the loss is each candidate's mean, or its sum / `n` where a count `n` was given; 0 for one
-    `mismatched` with the outputs), whether the loss is each fitting candidate's sum / `n` in `divided`, and the first
-    candidate's mean in `losses`; return whether the loss divided by the count (1 or 0; NaN where nothing fitted or no
-    count was given). `extra`, the router term of a MoE model, is added to every candidate's loss.
+    `mismatched` with the outputs) and the first candidate's mean in `losses`; return whether the loss divided by the
+    count (1 or 0; NaN where nothing fitted or no count was given). `extra`, the router term of a MoE model, is added
+    to every candidate's loss.
     """
     reference = loss.detach().double()
+    divided: dict[int, bool] = {}  # per candidate that fits: whether the loss is its sum / n (else its mean)
     for k, candidate in enumerate(candidates):
         compared = compared_head(candidate)
         sums, counts = terms_of(compared)

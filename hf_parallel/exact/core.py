@@ -26,7 +26,6 @@ from .heads import LossHead, Route, routed
 from .heads.router import ROUTER_BALANCES
 from .remainder import EpochEnd, epoch_end, padded_rows
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, counting_head, resolve_head
-from .terms import Terms, chosen_terms
 
 __all__ = ["ExactLoss"]
 
@@ -233,25 +232,20 @@ class ExactLoss:
         """Around a checked forward: what the decoder of `model` (out of its wrappers) is given."""
         return self.check.watching_decoder(candidates, self.unwrap(model) if candidates else model, inputs)
 
-    def settle(
-        self, candidates: tuple[LossHead, ...], model: nn.Module, terms: Terms
-    ) -> tuple[LossHead | None, Terms]:
+    def settle(self, candidates: tuple[LossHead, ...], model: nn.Module, check) -> LossHead | None:
         """
-        Decide from the gathered check of every replica and rank: the head to compute this micro-batch's loss with and
-        its terms (the chosen candidate's; in training the sums to back-propagate), or None for the stock loss
-        (warned once). The choice is cached for `model`; the step was counted for every candidate up front
-        (`count_step`), so its count for the chosen one is there (`StepCounts.for_head`).
+        Decide from the gathered `check` (`ReplicaCheck`) of every replica and rank: the head to compute `model`'s loss
+        with from now on, or None for the stock loss (warned once). The choice is cached for `model`.
         """
         key, name = self.key(model, None), type(self.unwrap(model)).__name__
-        settled = self.check.settle(candidates, key, name, terms.check)
+        settled = self.check.settle(candidates, key, name, check)
         if settled.head is None:
             self._heads[key] = (model, None)
             self.warn_fallback(settled.fallback)
-            return None, terms
+            return None
         if settled.warning is not None:
             self.warn_once(settled.warning)
-        terms = chosen_terms(terms, settled.index)
         if settled.changed:
             self._heads[key] = (model, settled.head)
             logger.info(f"exact_loss: {name}'s {settled.why} {settled.head}; using it.")
-        return settled.head, terms
+        return settled.head

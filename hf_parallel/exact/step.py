@@ -3,7 +3,8 @@ The one exact step: every training step (the Trainer's and `ExactLoop`'s, the fi
 engine and for every head family) and every evaluation batch runs the same three stages. Read top to bottom:
 
 1. `pull_batches`: the step's micro-batches (the stock loop) and, under an engine that pads an epoch's last global
-   batch or shards the sequence, whether the last one ends the epoch.
+   batch or shards the sequence, whether the last one ends the epoch; while the check of the head against the model's
+   own loss is open, `calibrate_head` (`hf_parallel.exact.checked`) settles the head on the first of them.
 2. `count_step`: C, the step's items per loss term, added over the engine's ranks, before any micro-batch runs.
 3. `micro_batch_loss`, per micro-batch: the labels out of the forward (or in it, by the head's route), one forward,
    the head's loss sums S (`Terms`), and S / C times the engine's gradient factor (`reduce`); in evaluation S and C
@@ -13,8 +14,7 @@ An engine or a family adds its part around these stages, never a path of its own
 its replicas (`hf_parallel.exact.replicas`); a MoE router adds a declared term (`hf_parallel.exact.heads.router`); a
 loss over the whole step's rows embeds them first (`hf_parallel.exact.coupled`); a head that reads the model's loss
 call watches it (`LossCallWatch`); the padded rows of an epoch's last step are left out of the counts and sums
-(`hf_parallel.exact.remainder`); and the first forward of a head is checked against the model's own loss
-(`hf_parallel.exact.checked`), the step having been counted for every head the check may settle on.
+(`hf_parallel.exact.remainder`).
 
 ```python
 from hf_parallel.exact import ExactLoss, RunContext, count_step, micro_batch_loss
@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checked import CheckedForward
-from .compare import can_use_model_loss, candidate_heads, fused_outputs
+from .compare import fused_outputs
 from .coupled import contrastive_loss
 from .heads import LossHead, Route
 from .heads.base import LOSS_CALL_KEY, index_in_step, sample_ids_of, sequence_length
@@ -100,10 +99,7 @@ class StepCounts:
         router (`torch.Tensor`, *optional*): a MoE router's `[E + 1]` statistics of the whole step, or None.
         batches (`tuple[dict, ...]`): this rank's micro-batches as counted (a loss over the whole step's rows embeds
             them all first).
-        by_shift (`dict`, *optional*): counted before the check of the head against the model's own loss concluded,
-            each candidate head's counts by its causal shift, so that the head the check settles on finds its count
-            made already (`for_head`).
-        head (`LossHead`, *optional*): the head counted; `settled` when no check can change it any more.
+        head (`LossHead`, *optional*): the head counted.
         shared (`torch.Tensor`, *optional*): a statistic of the whole step that every micro-batch's loss takes (KTO's
             KL reference point, `heads.trainers.KtoHead`).
         real_rows (`tuple[int | None, ...]`, *optional*): where an epoch's end padded the step, per micro-batch how
@@ -116,9 +112,7 @@ class StepCounts:
     micro_batches: int = 1
     router: torch.Tensor | None = None
     batches: tuple[dict, ...] = ()
-    by_shift: dict[bool, torch.Tensor] | None = None
     head: LossHead | None = None
-    settled: bool = False
     shared: torch.Tensor | None = None
     real_rows: tuple[int | None, ...] = ()
 
@@ -128,13 +122,6 @@ class StepCounts:
             return None
         return self.real_rows[index_in_step(self.batches, inputs, "exact_loss")]
 
-    def for_head(self, head: LossHead | None) -> StepCounts:
-        """The counts of `head`, one of the candidates the step was counted for (itself where there was one)."""
-        if self.by_shift is None or head is None or self.counts is self.by_shift[head.shift]:
-            return self
-        counts = self.by_shift[head.shift]
-        return replace(self, counts=counts, total=counts.sum())
-
 
 def count_step(
     exact,
@@ -143,30 +130,19 @@ def count_step(
     device: torch.device | None = None,
     main_input_name: str = "input_ids",
     model: nn.Module | None = None,
-    owner: nn.Module | None = None,
-    settled: bool = False,
     real_rows: tuple[int | None, ...] = (),
 ) -> StepCounts:
     """
-    The item counts of a whole optimizer step: all `batches` of this rank (where an epoch's end padded them, the real
-    samples alone: `real_rows`, per batch), added over the engine's ranks (one collective). While the check of the
-    head of `owner` (the model whose head is cached; `model` when not given) is open, every candidate head the check
-    may settle on is counted too, in the same collective; `settled` says the caller knows it concluded. With `model`
-    (what the micro-batches run through) and a MoE router under gradient accumulation, also the router statistics of
-    the whole step (`router_balance="step"`: a forward of each micro-batch without gradient).
+    The item counts of a whole optimizer step for `head` (settled: `calibrate_head` first, while its check is open):
+    all `batches` of this rank (where an epoch's end padded them, the real samples alone: `real_rows`, per batch),
+    added over the engine's ranks (one collective). With `model` (what the micro-batches run through) and a MoE router
+    under gradient accumulation, also the router statistics of the whole step (`router_balance="step"`: a forward of
+    each micro-batch without gradient).
     """
-    owner = model if owner is None else owner
-    # No check can change a user loss's head (its own judge), nor one whose check concluded.
-    settled = settled or (
-        owner is not None and (head.route is Route.USER_LOSS or exact.check.concluded(exact.key(owner)))
-    )
-    candidates = (head,) if settled or head.route is Route.USER_LOSS else candidate_heads(head)
     marks = real_rows or (None,) * len(batches)
-    counts = [
-        sum(_items(c, batch, main_input_name, real).to(device) for batch, real in zip(batches, marks, strict=True))
-        for c in candidates
-    ]
-    counts = counts[0].unsqueeze(0) if len(counts) == 1 else torch.stack(counts)
+    counts = sum(
+        _items(head, batch, main_input_name, real).to(device) for batch, real in zip(batches, marks, strict=True)
+    )
     router = None
     if model is not None and head.router is not None and len(batches) > 1 and exact.router_balance == "step":
         router = _router_step(exact, head, model, batches, marks, counts.device)
@@ -174,18 +150,14 @@ def count_step(
     # scales its S / C by the engine's factor (the world size: the sum over ranks of S_r / C is the exact loss).
     engine = exact.engine
     counts = engine.add_counts(counts)
-    by_shift = {c.shift: count for c, count in zip(candidates, counts, strict=True)} if len(candidates) > 1 else None
-    factor = engine.gradient_factor
     return StepCounts(
-        counts[0],
-        counts[0].sum(),
-        factor,
+        counts,
+        counts.sum(),
+        engine.gradient_factor,
         len(batches),
         router,
         tuple(batches),
-        by_shift,
         head=head,
-        settled=settled,
         real_rows=tuple(real_rows),
     )
 
@@ -265,16 +237,11 @@ def micro_batch_loss(
         return contrastive_loss(exact, model, head, inputs, step, context, return_outputs, real)
     if head.route is Route.TRAINER_LOSS:
         return _trainer_loss(exact, model, head, inputs, step, context, return_outputs, real)
-    owner = model if context.owner is None else context.owner
-    checked = step is None or not step.settled
-    candidates = exact.pending_check(head, owner, real is not None) if checked else None
-    if step is not None and step.by_shift is not None:
-        step = step.for_head(head)  # counted for every head the check may settle on
-    if "skip_logits" in inputs and (candidates is not None or head.route is not Route.MODEL_LOSS):
-        # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); the check
-        # compares the logits, and a recomputed loss is made of them.
+    if "skip_logits" in inputs and head.route is not Route.MODEL_LOSS:
+        # Stock asks a Liger forward for no logits in evaluation without predictions (`skip_logits=True`); a recomputed
+        # loss is made of them.
         inputs = {key: value for key, value in inputs.items() if key != "skip_logits"}
-    keeps_labels = candidates is not None or head.route is Route.MODEL_LOSS
+    keeps_labels = head.route is Route.MODEL_LOSS
     inputs, labels = split_labels(head, inputs, model, not keeps_labels, exact.unwrap, real)
     user_loss = head.route is Route.USER_LOSS and context.loss_func is not None
     total = None
@@ -283,24 +250,14 @@ def micro_batch_loss(
         total = step.total if step is not None else head.count(labels, seq_len).sum()
     replicas = exact.engine.replicas
     keep = return_outputs and (exact.evaluation.outputs_wanted or not replicas)
-    run = _Forward(exact, head, step, context, total, keep=keep, drop_cache=replicas, real=real)
-    watching = candidates is not None or head.loss_call is not None
-    with _watching(exact, head, candidates, model, inputs) if watching else contextlib.nullcontext() as run.loss_call:
-        if candidates is not None:
-            # The first forward of the head: checked against the model's own loss, in a piece of its own.
-            run = CheckedForward(run, candidates, can_use_model_loss(head, exact.unwrap(owner)))
+    run = PlainForward(exact, head, step, context, total, keep=keep, drop_cache=replicas, real=real)
+    unwrap = exact.unwrap
+    watch = watching_loss_call(head, model, unwrap, checked=False) if head.loss_call else contextlib.nullcontext()
+    with watch as run.loss_call:
         if replicas:
             terms, outputs = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, keep)
         else:
             terms, outputs = run(model, inputs, labels)
-    if candidates is not None and terms.check is not None:  # a check no replica ran stays open
-        head, terms = exact.settle(candidates, owner, terms)
-        if step is not None:
-            step = step.for_head(head)
-        if head is None:
-            # The model's own loss (per replica: their mean, as stock's), a per-micro-batch mean as the stock loss of
-            # the following steps; the step was counted as exact, so divide by its micro-batches here.
-            return terms.check.model_loss.mean() / (step.micro_batches if step is not None else 1), outputs
     return reduce(exact, head, terms, step), outputs
 
 
@@ -330,15 +287,6 @@ def _trainer_loss(exact, model, head, inputs: dict, step, context: RunContext, r
         uncut = real is not None and (head.ignore_index_items or real == 0)  # rows not cut (SFT's; a batch of padding)
         stats = head.router.forward_stats(router[0], real if uncut else None)
     return reduce(exact, head, Terms(sums.reshape(1, -1), items.reshape(1, -1), router=stats), step), outputs
-
-
-@contextlib.contextmanager
-def _watching(exact, head: LossHead, candidates, model: nn.Module, inputs: dict):
-    """Around a forward: what the model's decoder is given (a checked forward), and what its loss call is passed (a
-    head that declares a `LossCall`); yields the loss-call watch, or None."""
-    watch_call = watching_loss_call(head, model, exact.unwrap, checked=candidates is not None)
-    with exact.watching_decoder(candidates, model, inputs), watch_call as loss_call:
-        yield loss_call
 
 
 def split_labels(
@@ -375,10 +323,10 @@ def model_labels(labels: dict) -> dict:
     }
 
 
-class _Forward:
+class PlainForward:
     """
     One forward of the head's route and its `Terms`, run where the outputs are: in the caller, or in each
-    DataParallel replica on its rows. The first forward of a head is this one wrapped in `CheckedForward`.
+    DataParallel replica on its rows; the check's forward wraps it (`hf_parallel.exact.checked.CheckedForward`).
 
     Args:
         exact (`ExactLoss`): the run's loss state.
@@ -434,35 +382,24 @@ class _Forward:
         """Whether the terms are read off the model's own loss: its route, or fused outputs (no logits) and a count."""
         return self.head.route is Route.MODEL_LOSS or (count is not None and fused_outputs(outputs))
 
-    def terms(self, outputs, labels: dict, inputs: dict, count=None, without_grad: bool = False) -> Terms:
+    def terms(self, outputs, labels: dict, inputs: dict, count=None) -> Terms:
         """The forward's `Terms`: read off the model's own loss (`from_model_loss`), the user loss, or the head's sums
-        from the outputs (computed `without_grad` where only compared: a checked forward), with a MoE router's
-        statistics where the head has a router."""
+        from the outputs, with a MoE router's statistics where the head has a router."""
         head = self.head
         if self.from_model_loss(outputs, count):
             return _model_terms(head, outputs, labels, sequence_length(inputs, self.context.main_input_name), count)
-        with torch.no_grad() if without_grad else contextlib.nullcontext():
-            if self.loss_func is not None:
-                total = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
-                loss = self.loss_func(outputs, model_labels(labels)["labels"], num_items_in_batch=total)
-                # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
-                terms = Terms(user_loss=loss.reshape(1) if loss.dim() == 0 else loss)
-            else:
-                terms = Terms(*self.sample_terms(head, outputs, labels, inputs))
+        if self.loss_func is not None:
+            total = self.total.to(outputs_device(outputs, labels)) if torch.is_tensor(self.total) else self.total
+            loss = self.loss_func(outputs, model_labels(labels)["labels"], num_items_in_batch=total)
+            # [1], not 0-dim: DataParallel gathers 0-dim values into a vector, with a warning each time.
+            terms = Terms(user_loss=loss.reshape(1) if loss.dim() == 0 else loss)
+        else:
+            terms = Terms(*sample_terms(head, outputs, labels, inputs, self.real))
         if head.router is None:
             return terms
         rows = next(iter(model_labels(labels).values())).shape[0]
         stats = head.router.row_stats(outputs, inputs.get("attention_mask"), rows)
         return terms._replace(router=head.router.forward_stats(stats, self.real))
-
-    def sample_terms(self, head: LossHead, outputs, labels: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """`head`'s `[rows, terms]` sums and counts on these outputs (`sample_terms`)."""
-        return sample_terms(head, outputs, labels, inputs, self.real)
-
-    @staticmethod
-    def targets(labels: dict) -> dict:
-        """The labels as the model takes them (`model_labels`)."""
-        return model_labels(labels)
 
     def kept(self, outputs):
         """The outputs to return: None unless kept, without their cache where it must not travel."""

@@ -18,7 +18,7 @@ from .compare import ReplicaCheck
 from .heads import LossHead, Route
 from .heads.base import LossCallWatch
 
-__all__ = ["Terms", "batch_device", "chosen_terms", "watching_loss_call"]
+__all__ = ["Terms", "batch_device", "watching_loss_call"]
 
 
 class Terms(NamedTuple):
@@ -60,15 +60,6 @@ def watching_loss_call(head: LossHead | None, model: nn.Module, unwrap: Callable
         yield watch
     finally:
         watch.remove()
-
-
-def chosen_terms(terms: Terms, index: int) -> Terms:
-    """`terms` with candidate `index`'s sums and counts; in training, the sums with the graph to back-propagate."""
-    check = terms.check
-    sums, counts = check.sums[index], check.counts[index]
-    if check.graph_sums is not None:
-        sums = check.graph_sums[:, index : index + 1]  # one per replica: training adds them up anyway
-    return terms._replace(sums=sums, counts=counts)
 
 
 def batch_device(*tensors: dict) -> torch.device:

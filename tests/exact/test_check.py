@@ -2,7 +2,7 @@
 The check that lets the model judge its own loss (`hf_parallel.exact.check`, `hf_parallel.exact.compare`), at the
 sizes users train at.
 
-Its first forward gives the model an item count no batch has, and tells from the loss whether the model divided by
+Its forward gives the model an item count no batch has, and tells from the loss whether the model divided by
 it. A loss that ignores the count (BART's and T5's plain `CrossEntropyLoss` mean) must be told apart from one that
 honours it (Llama's `ForCausalLMLoss`) however many items a micro-batch holds: summarisation and speech fine-tuning
 train on thousands of target tokens per micro-batch, where a count off by 1/2 hides below any float tolerance.
@@ -251,9 +251,6 @@ def replica_checks(*fits: list[float], decoder: list[float] | None = None) -> Re
         losses=torch.ones(rows, 2, dtype=torch.float64),
         honours=unknown,
         decoder=torch.tensor(decoder).reshape(rows, 1) if decoder is not None else unknown,
-        model_loss=torch.zeros(rows),
-        sums=(),
-        counts=(),
     )
 
 

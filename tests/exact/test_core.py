@@ -8,7 +8,6 @@ import torch
 
 from hf_parallel.exact import CrossEntropyHead, ExactLoss, RunContext, StepCounts, count_step, micro_batch_loss
 from hf_parallel.exact.compare import ReplicaCheck, candidate_heads
-from hf_parallel.exact.terms import Terms
 from tests.helpers.heads import CASES, batch_of
 from tests.helpers.tiny import tiny_bert_classifier
 
@@ -65,9 +64,9 @@ def test_ddp_counts_need_a_reduction():
     assert step.total.item() == 2  # what stock code gets as num_items_in_batch
 
 
-def test_a_step_counted_before_the_check_holds_every_candidate_s_count():
-    # Counted before the check of its head decided: both causal shifts are counted, in one collective. The check of
-    # the step's first micro-batch finds the other shift fits; its count is there already, nothing is counted again.
+def test_the_check_settles_the_head_before_the_step_is_counted_once_for_it():
+    # The check of the step's first micro-batch finds the other shift fits: the head is replaced before the step is
+    # counted, and the step is counted once, for the head the check settled on.
     reduced = []
     exact, model = (
         ExactLoss(num_processes=2, reduce_sum=lambda counts: reduced.append(counts) or counts * 2),
@@ -75,24 +74,15 @@ def test_a_step_counted_before_the_check_holds_every_candidate_s_count():
     )
     batches = [{"labels": torch.tensor([[5, 6, -100]])}, {"labels": torch.tensor([[7, 8, 9]])}]
     candidates = candidate_heads(CrossEntropyHead(name="causal_lm", shift=True, per_position=True))
-    step = count_step(exact, candidates[0], batches, model=model)
-    assert len(reduced) == 1 and reduced[0].tolist() == [[3], [5]]  # shifted, unshifted: one collective
-    assert step.counts.tolist() == [6] and step.micro_batches == 2 and step.batches == tuple(batches)
-    unknown, ones = torch.full((1, 1), float("nan")), torch.ones(1, 1, dtype=torch.long)
+    unknown = torch.full((1, 1), float("nan"))
     check = ReplicaCheck(
         fits=torch.tensor([[0.0, 1.0]]),  # the unshifted candidate fits, the shifted one does not
         losses=torch.ones(1, 2, dtype=torch.float64),
         honours=unknown,
         decoder=unknown,
-        model_loss=torch.zeros(1),
-        sums=(torch.zeros(1, 1), torch.full((1, 1), 2.0)),
-        counts=(ones, ones),
     )
-    head, terms = exact.settle(candidates, model, Terms(torch.zeros(1, 1), ones, check=check))
-    assert head is candidates[1] and float(terms.sums.sum()) == 2.0  # this micro-batch: the unshifted terms
-    assert step.for_head(head).counts.tolist() == [10]  # every target counts unshifted, over both ranks
-    assert step.counts.tolist() == [6]  # the step itself is not rewritten
-    assert exact.head(model) is candidates[1]  # cached for the model
-    # Once the check concluded, a step counts its head alone.
-    later = count_step(exact, head, batches, model=model)
-    assert later.by_shift is None and later.counts.tolist() == [10] and reduced[-1].tolist() == [[5]]
+    head = exact.settle(candidates, model, check)
+    assert head is candidates[1] and exact.head(model) is candidates[1]  # cached for the model
+    step = count_step(exact, head, batches, model=model)
+    assert step.head is head and step.counts.tolist() == [10]  # every target counts unshifted, over both ranks
+    assert reduced[-1].tolist() == [5]  # one collective, of the settled head's count alone

@@ -73,8 +73,10 @@ def test_fused_loss_trains_exactly_without_logits(topology):
     trained = fused.index(False) if False in fused else len(fused)  # evaluation (after training) builds logits
     assert result.loss == pytest.approx(loss, rel=TOL)
     assert max_relative_diff(result.grads, grads) < TOL
-    # Training never built the logits: every training forward took the fused path (in every replica under DP).
-    assert all(fused[:trained]) and not any(fused[trained:]) and trained == topology.accumulation * topology.dp_devices
+    # Training never built the logits: every training forward took the fused path (in every replica under DP), and so
+    # did the check's two before the first step (one without autograd, one that asks the loss's gradient).
+    forwards = (topology.accumulation + 2) * topology.dp_devices
+    assert all(fused[:trained]) and not any(fused[trained:]) and trained == forwards
     assert result.trainer.exact.head(result.trainer.model).route is Route.MODEL_LOSS
     # Evaluation (after training, on the trained model) equals the plain model's Σ S / Σ C with the same weights.
     model = llama(0)

@@ -155,8 +155,8 @@ def test_several_steps_under_ddp_equal_one_process(tmp_path):
 
 
 def test_the_head_is_settled_once_the_check_decided(tmp_path):
-    """The first step counts every head the check may settle on; the check decides in its first forward, and the
-    steps after it count the settled head alone, without asking the head cache again."""
+    """The check decides on the first step's first micro-batch, before the step is counted; the steps after it count
+    the settled head, without asking the head cache again."""
     args = training_args(tmp_path, **{**SGD_STEP, "max_steps": 2, "per_device_train_batch_size": 4})
     trainer = Trainer(model=llama(0), args=args, train_dataset=ListDataset(lm_rows(8, 1)))
     trainer.train()

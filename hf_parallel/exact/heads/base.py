@@ -301,7 +301,7 @@ class LossHead:
     #: an epoch's last step are then masked in the targets themselves (so a model given its labels counts as the head
     #: does), and the model's own loss, given the step's count, may be the head's (`Route.MODEL_LOSS`).
     ignore_index_items: bool = False
-    #: Whether the first forward's check also tries this head with the other causal shift (a per-position
+    #: Whether the check also tries this head with the other causal shift (a per-position
     #: cross-entropy whose model may not shift as its class suggests: standalone decoders, XLNet).
     shift_ambiguous: bool = False
     #: The label smoothing epsilon the head applies (`TrainingArguments.label_smoothing_factor`); a family whose row

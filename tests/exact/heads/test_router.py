@@ -227,23 +227,6 @@ def test_exact_loop_one_step_is_the_models_own_loss(accumulation):
     assert max_relative_diff(ours, grads) < TOL
 
 
-def test_the_checked_step_takes_its_gradient_from_the_models_loss_without_its_router_term():
-    """
-    The first (checked) step keeps one logits-sized log-softmax, as stock does: the model's own loss carries the
-    gradient, its router term (`coef x aux_loss`) taken back out; the head's own terms only compare. The exactness of
-    that step is the tests above (their one step is the checked one).
-    """
-    from hf_parallel.exact.compare import model_router_term, takes_gradient_from_loss
-
-    model = CASES["mixtral_moe"].build(0)
-    head = resolve_head(model)
-    outputs = model(**default_data_collator(CASES["mixtral_moe"].rows(4, 1)))
-    assert takes_gradient_from_loss(head, outputs)
-    assert model_router_term(head, outputs).item() == pytest.approx(ROUTER_COEF * outputs.aux_loss.item())
-    outputs["aux_loss"] = None  # a MoE model that does not return its router term: the head's own graph then
-    assert not takes_gradient_from_loss(head, outputs)
-
-
 def test_router_balance_reads_the_model_and_checks_its_sizes():
     model = CASES["mixtral_moe"].build(0)
     router = router_balance_of(model)
