@@ -40,6 +40,7 @@ import torch.distributed as dist
 from accelerate.utils import send_to_device
 from torch import nn
 
+from .data_parallel.replicas import caller_autocast, is_data_parallel, replica_autocast
 from .engines.deepspeed import check_loop_engine, mark_boundary
 from .exact import (
     EpochEnd,
@@ -50,14 +51,11 @@ from .exact import (
     StepCounts,
     batch_device,
     calibrate_head,
-    caller_autocast,
     count_step,
     epoch_end,
-    is_data_parallel,
     micro_batch_loss,
     pick_engine,
     pull_batches,
-    replica_autocast,
 )
 from .launch.validation import check_whole_number
 from .saving.unwrap import unwrap_model

@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from transformers.utils import logging
 
+from .data_parallel.replicas import is_data_parallel, replica_autocast, stock_replica_precision
 from .engines.deepspeed import deepspeed_version, sequence_shards
 from .exact import (
     Engine,
@@ -28,14 +29,11 @@ from .exact import (
     calibrate_head,
     count_samples,
     count_step,
-    is_data_parallel,
     micro_batch_loss,
     pick_engine,
     pull_batches,
     ragged_gathers,
     real_batches,
-    replica_autocast,
-    stock_replica_precision,
     trainer_loss_head,
 )
 from .fallback import FALLBACK_NOTE, stock_compute_loss, stock_training_step

@@ -27,8 +27,8 @@ from torch.nn.parallel._functions import Scatter
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
-from ..exact.replicas import gathering_as_torch
 from .chunking import balanced_chunk_sizes, check_split_options
+from .replicas import gathering_as_torch
 from .replication import replicate_with_routing
 from .scatter import batch_rows, scatter_structure
 

@@ -51,7 +51,6 @@ from .engine import Engine, pick_engine
 from .heads import CrossEntropyHead, LossHead, MultiLabelHead, QuestionAnsweringHead, RegressionHead, Route
 from .heads.trainers import trainer_loss_head
 from .remainder import EpochEnd, LoopPadding, epoch_end, ragged_gathers, real_batches
-from .replicas import caller_autocast, is_data_parallel, replica_autocast, stock_replica_precision
 from .resolve import ProblemTypeUnsettled, UnsupportedHead, resolve_head
 from .step import RunContext, StepCounts, count_step, micro_batch_loss, pull_batches
 from .streams import count_samples
@@ -74,18 +73,14 @@ __all__ = [
     "UnsupportedHead",
     "batch_device",
     "calibrate_head",
-    "caller_autocast",
     "count_step",
     "count_samples",
     "epoch_end",
-    "is_data_parallel",
     "micro_batch_loss",
     "pick_engine",
     "pull_batches",
     "ragged_gathers",
     "real_batches",
-    "replica_autocast",
     "resolve_head",
-    "stock_replica_precision",
     "trainer_loss_head",
 ]

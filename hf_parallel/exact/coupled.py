@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data_parallel.replicas import run_in_replicas
 from .compare import tolerance
 from .heads.base import index_in_step
 from .heads.contrastive import ContrastiveHead
-from .replicas import run_in_replicas
 
 __all__ = ["CONTRASTIVE_NEGATIVES", "contrastive_loss"]
 

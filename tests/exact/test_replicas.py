@@ -1,5 +1,6 @@
 """
-The exact loss inside DataParallel replicas (hf_parallel/exact/replicas.py, hf_parallel/data_parallel/replication.py),
+The exact loss inside DataParallel replicas (hf_parallel/exact/replicas.py, hf_parallel/data_parallel/replicas.py,
+hf_parallel/data_parallel/replication.py),
 through the emulation of torch's DataParallel: what travels to device 0, mixed precision in the replica threads, tied
 and unused parameters, buffers when GPU 0 gets no rows, models that read their own device.
 """
@@ -17,7 +18,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 import hf_parallel
 from hf_parallel import BalancedDataParallel
 from hf_parallel.data_parallel.chunking import torch_chunk_sizes
-from hf_parallel.exact.replicas import ReplicaStep, replica_autocast, takes_use_cache, without_cache
+from hf_parallel.data_parallel.replicas import ReplicaStep, replica_autocast
+from hf_parallel.exact.replicas import takes_use_cache, without_cache
 from hf_parallel.testing import simulate_data_parallel
 from tests.helpers.harness import SINGLE, TRAIN_ROWS, RunResult, Topology, max_relative_diff, run_case
 from tests.helpers.heads import CASES, SEQ, Case, llama, lm_rows, seq2seq_rows
@@ -127,7 +129,8 @@ def test_mixed_precision_takes_effect_in_every_replica(topology, precision):
     # device from; on a GPU accelerate also keeps its loss scaler for fp16).
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     replicas = 3 if topology.gpu0_bsz == 1 else 2
-    assert _lm_head_dtypes(False, topology, **{"bf16": False, precision: True}) == [dtype] * replicas
+    # The check of the head (its forward before the step, `calibrate_head`) and the step's forward, in every replica.
+    assert _lm_head_dtypes(False, topology, **{"bf16": False, precision: True}) == [dtype] * (2 * replicas)
 
 
 def test_mixed_precision_of_the_stock_loss_and_the_stock_trainer():
@@ -214,7 +217,8 @@ def test_training_forwards_build_no_cache():
         return model
 
     run_case(Case("llama_cache", build, lm_rows), DP2, eval_rows=0)
-    assert calls == [False, False]  # both replicas, although the config says use_cache=True
+    # The check's forward and the step's, in both replicas, although the config says use_cache=True.
+    assert calls == [False] * 4
     assert takes_use_cache(_wide_llama(0)) and not takes_use_cache(torch.nn.Linear(2, 2))
 
 
@@ -372,8 +376,8 @@ def test_a_model_that_reads_self_device_trains_in_replicas(topology):
 def _real_replicas_check(device_ids: list[int], wrapper_class=torch.nn.DataParallel):
     # torch's own nn.DataParallel (scatter, replicate, parallel_apply in threads, gather) running the exact loss in
     # each replica, under bf16: terms equal those of one device, and the replicas computed in bf16.
+    from hf_parallel.data_parallel.replicas import run_in_replicas
     from hf_parallel.exact import CrossEntropyHead
-    from hf_parallel.exact.replicas import run_in_replicas
 
     model = _wide_llama(0).cuda()
     dtypes = []
