@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
@@ -110,9 +110,10 @@ def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], No
     node_mark = _mark_node(run_dir, args)
     accelerator.wait_for_everyone()
     _warn_if_shared(run_dir, args, node_mark)
-    # Stock writes into staging/checkpoint-N; it rotates nothing there (the folder holds this checkpoint only), and
-    # pushes to the Hub only once the checkpoint is complete, below.
-    with _output_dir_of(trainer, staging), temporarily(args, "push_to_hub", False):
+    # Stock writes into staging/checkpoint-N (its run folder, `_get_output_dir`, is the staging folder within); it
+    # rotates nothing there (the folder holds this checkpoint only), and pushes to the Hub only once the checkpoint is
+    # complete, below.
+    with temporarily(trainer, "_get_output_dir", lambda trial=None: staging), temporarily(args, "push_to_hub", False):
         save(model, trial)
     accelerator.wait_for_everyone()  # every process's files are written
     if args.should_save:
@@ -161,16 +162,6 @@ def _warn_if_shared(run_dir: str, args, node_mark: str | None) -> None:
             "every file of each checkpoint into the same folder. Set save_on_each_node=False on a shared file system "
             "(one process writes each file); keep it only for folders local to each node."
         )
-
-
-@contextlib.contextmanager
-def _output_dir_of(trainer, folder: str) -> Iterator[None]:
-    """Within the block, the trainer's run folder (`_get_output_dir`) is `folder`; then its own method again."""
-    trainer._get_output_dir = lambda trial=None: folder
-    try:
-        yield
-    finally:
-        del trainer._get_output_dir
 
 
 def _point_best_checkpoint(trainer, run_dir: str, staged: str) -> None:
