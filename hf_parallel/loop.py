@@ -41,7 +41,7 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from .data_parallel.replicas import caller_autocast, is_data_parallel, replica_autocast
-from .engines.deepspeed import check_loop_engine, mark_boundary
+from .engines.deepspeed import check_loop_engine
 from .exact import (
     EpochEnd,
     ExactLoss,
@@ -269,7 +269,9 @@ class LoopStep:
             if accelerator is not None:
                 self._sync_at(index)
             if engine is not None:
-                mark_boundary(engine, index == len(self.batches) - 1)
+                # Whether this micro-batch is the last of its optimizer step, so that the engine reduces the gradient
+                # and `engine.step()` steps there, also at an epoch's shorter last step (its own counter would not).
+                engine.set_gradient_accumulation_boundary(index == len(self.batches) - 1)
             yield batch
 
     def _sync_at(self, index: int) -> None:

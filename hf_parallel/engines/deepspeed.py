@@ -25,60 +25,44 @@ __all__ = [
     "before_engine",
     "check_loop_engine",
     "deepspeed_version",
-    "is_deepspeed_engine",
-    "mark_boundary",
-    "scalar_parameter_problem",
     "sequence_shards",
 ]
-
-
-def scalar_parameter_problem(model: nn.Module) -> str | None:
-    """
-    Why DeepSpeed's engine cannot start on `model`, or None: DeepSpeed releases whose engine broadcasts each
-    parameter as bytes (`p.data.view(torch.uint8)` in `DeepSpeedEngine._broadcast_model`, 0.19.8 among them) fail on
-    a 0-dimensional parameter (CLIP's `logit_scale`, CLAP's) with "self.dim() cannot be 0 to view Float as Byte", on
-    GPUs and CPUs alike and under every ZeRO stage.
-    """
-    scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
-    if not scalars:
-        return None
-    try:
-        import deepspeed
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        if "view(torch.uint8)" not in inspect.getsource(DeepSpeedEngine._broadcast_model):
-            return None
-    except (ImportError, AttributeError, OSError, TypeError):
-        return None
-    return (
-        f"DeepSpeed {deepspeed.__version__} cannot start on {type(model).__name__}: its engine broadcasts every "
-        f"parameter as bytes when it starts and fails on 0-dimensional parameters ({', '.join(scalars)}) with "
-        "'self.dim() cannot be 0 to view Float as Byte'. Train this model with DDP or FSDP2, or give those "
-        "parameters one dimension (shape [1]) before training."
-    )
 
 
 def before_engine(model: nn.Module, zero_stage: int | None) -> None:
     """
     What the Trainer does before DeepSpeed's engine starts on `model` (its unwrapped model): refuse, naming the cause
-    and the fix, a model the engine would crash on (`scalar_parameter_problem`); under ZeRO-3, make the model's
-    `save_pretrained` write full weights from the partitions (`hf_parallel.engines.zero3`).
+    and the fix, a model the engine would crash on; under ZeRO-3, make the model's `save_pretrained` write full
+    weights from the partitions (`hf_parallel.engines.zero3`).
+
+    The crash: DeepSpeed releases whose engine broadcasts each parameter as bytes (`p.data.view(torch.uint8)` in
+    `DeepSpeedEngine._broadcast_model`, 0.19.8 among them) fail on a 0-dimensional parameter (CLIP's `logit_scale`,
+    CLAP's) with "self.dim() cannot be 0 to view Float as Byte", on GPUs and CPUs alike and under every ZeRO stage.
     """
-    problem = scalar_parameter_problem(model)
-    if problem is not None:
-        raise ValueError(problem)
+    scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
+    if scalars:
+        try:
+            import deepspeed
+            from deepspeed.runtime.engine import DeepSpeedEngine
+
+            as_bytes = "view(torch.uint8)" in inspect.getsource(DeepSpeedEngine._broadcast_model)
+        except (ImportError, AttributeError, OSError, TypeError):
+            as_bytes = False
+        if as_bytes:
+            raise ValueError(
+                f"DeepSpeed {deepspeed.__version__} cannot start on {type(model).__name__}: its engine broadcasts "
+                f"every parameter as bytes when it starts and fails on 0-dimensional parameters ({', '.join(scalars)})"
+                " with 'self.dim() cannot be 0 to view Float as Byte'. Train this model with DDP or FSDP2, or give "
+                "those parameters one dimension (shape [1]) before training."
+            )
     if zero_stage == 3:
         gather_on_save(model)
 
 
-def is_deepspeed_engine(model) -> bool:
-    """Whether `model` is a DeepSpeed engine (`deepspeed.initialize`'s first return), without importing deepspeed."""
-    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__)
-
-
 def check_loop_engine(engine) -> None:
     """Refuse, naming the fix, an engine `ExactLoop` cannot drive: not an engine, or one with sequence parallelism."""
-    if not is_deepspeed_engine(engine):
+    # The engine `deepspeed.initialize` returns, told by its class's name, without importing deepspeed.
+    if not any(cls.__name__ == "DeepSpeedEngine" for cls in type(engine).__mro__):
         raise TypeError(
             f"ExactLoop(engine=...) takes the engine deepspeed.initialize returns, not {type(engine).__name__}; "
             "with an accelerate-prepared model pass the Accelerator instead (ExactLoop(accelerator))."
@@ -95,14 +79,6 @@ def check_loop_engine(engine) -> None:
             "ExactLoop(engine=...) needs DeepSpeed's managed gradient accumulation (the default): with "
             "managed_gradient_accumulation=false the caller owns the boundary; set it back to true."
         )
-
-
-def mark_boundary(engine, last: bool) -> None:
-    """
-    Tell the engine whether the coming micro-batch is the last of its optimizer step, so that it reduces the
-    gradient and `engine.step()` steps there, also at an epoch's shorter last step (its own counter would not).
-    """
-    engine.set_gradient_accumulation_boundary(last)
 
 
 def deepspeed_version() -> tuple[int, ...]:
