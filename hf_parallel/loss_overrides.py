@@ -169,7 +169,7 @@ class ExactLossOverrides:
         """The counts of a step (`count_step`), or None where the stock loss trains it."""
         engine = self._engine
         if engine.shards_sequence:
-            sequence_shards(batch_samples, end, self.get_sp_size(), self.exact.warn_once)
+            sequence_shards(batch_samples, end, self.exact.warn_once)
         head = self._settled_head or self._exact_head(batch_samples[0])
         if head is None or not all(head.has_labels(batch) for batch in batch_samples):
             self.exact.labels_present(head, batch_samples)  # warns where a batch lacks the head's labels

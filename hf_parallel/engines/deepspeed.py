@@ -90,16 +90,15 @@ def deepspeed_version() -> tuple[int, ...]:
     return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
 
 
-def sequence_shards(batches: list[dict], end, sp_size: int, warn_once) -> None:
+def sequence_shards(batches: list[dict], end, warn_once) -> None:
     """
-    Under Ulysses (`sp_size` above 1) each rank's micro-batch holds its shard of the sequence with `shift_labels`
-    (already shifted over the whole row) and no `labels`: give it `labels` (the shard's targets), as transformers' own
-    sequence-parallel loss does, so that the causal LM head counts and scores `shift_labels` as they are. Each
-    micro-batch is a shard of another rank's rows, so the rows accelerate repeats to fill an epoch's last global batch
-    (`end.remainder` real ones) are not told apart there: warned, trained as stock trains them.
+    Under Ulysses (called only where the run's engine shards the sequence) each rank's micro-batch holds its shard of
+    the sequence with `shift_labels` (already shifted over the whole row) and no `labels`: give it `labels` (the
+    shard's targets), as transformers' own sequence-parallel loss does, so that the causal LM head counts and scores
+    `shift_labels` as they are. Each micro-batch is a shard of another rank's rows, so the rows accelerate repeats to
+    fill an epoch's last global batch (`end.remainder` real ones) are not told apart there: warned, trained as stock
+    trains them.
     """
-    if sp_size <= 1:
-        return
     for batch in batches:
         if "labels" not in batch and "shift_labels" in batch:
             batch["labels"] = batch["shift_labels"]
