@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["deepspeed_checkpoint_folder", "load_on_any_world_size", "saved_world_size"]
+__all__ = ["deepspeed_checkpoint_folder", "load_on_any_world_size"]
 
 
 def deepspeed_checkpoint_folder(checkpoint: str) -> str | None:
@@ -33,11 +33,6 @@ def deepspeed_checkpoint_folder(checkpoint: str) -> str | None:
     with open(latest) as file:
         folder = os.path.join(checkpoint, file.read().strip())
     return folder if os.path.isdir(folder) else None
-
-
-def saved_world_size(folder: str) -> int:
-    """The data-parallel world size that wrote DeepSpeed's engine state in `folder`: one optimizer file per rank."""
-    return len(glob.glob(os.path.join(folder, "*_optim_states.pt")))
 
 
 def _group_states(optimizer: dict) -> list[dict]:
@@ -177,7 +172,8 @@ def load_on_any_world_size(engine, checkpoint: str, load_module_strict: bool, lo
     size: the same world size as the checkpoint's is DeepSpeed's own load; another merges and re-partitions.
     """
     folder = deepspeed_checkpoint_folder(checkpoint)
-    saved = saved_world_size(folder) if folder is not None else 0
+    # The data-parallel world size that wrote the engine state: one optimizer file per rank.
+    saved = len(glob.glob(os.path.join(folder, "*_optim_states.pt"))) if folder is not None else 0
     if saved in (0, engine.dp_world_size):
         return load(engine, checkpoint, load_module_strict=load_module_strict)
     from transformers.utils import logging
