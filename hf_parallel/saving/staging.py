@@ -93,10 +93,10 @@ def _commit(staged: str, final: str) -> None:
     _clear(aside)
 
 
-def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], None]) -> str:
+def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], None]) -> None:
     """
     Run the stock checkpoint save `save(model, trial)` of `trainer` into the staging folder, then commit it and
-    rotate: the checkpoint's path. Every process calls it (each writes its own files: its RNG state, its shards).
+    rotate. Every process calls it (each writes its own files: its RNG state, its shards).
     """
     args, accelerator = trainer.args, trainer.accelerator
     run_dir = trainer._get_output_dir(trial=trial)
@@ -133,7 +133,6 @@ def staged_checkpoint(trainer, model, trial, save: Callable[[object, object], No
         os.remove(node_mark)
     if args.push_to_hub:
         trainer._push_from_checkpoint(final)
-    return final
 
 
 _NODES_DIR = ".hf_parallel-nodes"
