@@ -174,7 +174,7 @@ IMPORTED_NAMES = (
     (
         "transformers.trainer",
         "_is_peft_model",
-        "a checkpoint of a PEFT model is loaded by its own loader, not as plain weights (plain_weights_checkpoint); "
+        "a checkpoint of a PEFT model is loaded by its own loader, not as plain weights (_plain_weights_checkpoint); "
         "the Trainer module's own test, so a PEFT model counts as stock counts it",
     ),
     (

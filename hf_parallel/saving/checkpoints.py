@@ -354,18 +354,3 @@ def check_reload(trainer, output_dir: str, model_class: type | None = None, tole
             actual = reloaded(**inputs).logits
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
     return (actual - expected).abs().max().item()
-
-
-def plain_weights_checkpoint(checkpoint: str | None, model: nn.Module | None, sharded: bool) -> bool:
-    """
-    Whether loading `checkpoint` into `model` is a plain state-dict load, the case the stock Trainer gets wrong on
-    wrapper prefixes: a checkpoint with weight files, not a `sharded` state (DeepSpeed, FSDP, SageMaker model
-    parallelism) nor a PEFT model's adapters, which their own loaders read.
-    """
-    if checkpoint is None or sharded:
-        return False
-    from transformers.trainer import _is_peft_model  # here: transformers.trainer is a heavy import
-
-    if model is not None and _is_peft_model(unwrap_model(model)):
-        return False
-    return bool(checkpoint_weight_files(checkpoint))

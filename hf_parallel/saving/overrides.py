@@ -12,11 +12,11 @@ import warnings
 
 import torch
 from torch import nn
-from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer import SCHEDULER_NAME, _is_peft_model
 from transformers.utils import is_sagemaker_mp_enabled, logging
 
 from ..upstream import temporarily
-from .checkpoints import load_state_dict, plain_weights_checkpoint
+from .checkpoints import checkpoint_weight_files, load_state_dict
 from .resume import seed_rank_without_state
 from .sharded import is_sharded_at_load, load_optimizer_any_layout, save_sharded_optimizer
 from .staging import staged_checkpoint
@@ -61,8 +61,16 @@ class CheckpointOverrides:
         if not seed_rank_without_state(self.args, checkpoint, self.state.global_step):
             super()._load_rng_state(checkpoint)
 
-    def _sharded_state(self) -> bool:
-        return self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled()
+    def _plain_weights_checkpoint(self, checkpoint: str | None, model: nn.Module | None) -> bool:
+        """
+        Whether loading `checkpoint` into `model` is a plain state-dict load, the case the stock Trainer gets wrong on
+        wrapper prefixes: a checkpoint with weight files, not a sharded state (DeepSpeed, FSDP, SageMaker model
+        parallelism) nor a PEFT model's adapters, which their own loaders read.
+        """
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled()
+        if checkpoint is None or sharded or (model is not None and _is_peft_model(unwrap_model(model))):
+            return False
+        return bool(checkpoint_weight_files(checkpoint))
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         inner = unwrap_model(self.model) if isinstance(self.model, nn.Module) else self.model
@@ -79,7 +87,7 @@ class CheckpointOverrides:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if model is None:
             model = self.model
-        if not plain_weights_checkpoint(resume_from_checkpoint, model, self._sharded_state()):
+        if not self._plain_weights_checkpoint(resume_from_checkpoint, model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # Stock loads with strict=False into the model as it is: a checkpoint with `module.` keys (an older run,
         # a user-wrapped model) then resumes from random weights with only a warning. Match keys across wrappers,
@@ -89,7 +97,7 @@ class CheckpointOverrides:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if not plain_weights_checkpoint(best, self.model, self._sharded_state()):
+        if not self._plain_weights_checkpoint(best, self.model):
             return super()._load_best_model()
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         load_state_dict(self.model, best, strict=True)
