@@ -177,9 +177,7 @@ def clean_state_dict(state_dict: Mapping[str, torch.Tensor], model: nn.Module) -
 def has_wrapper_prefixes(keys: Iterable[str], model: nn.Module) -> bool:
     """Whether some of `keys` carry a wrapper component (`module.`, `_orig_mod.`) that `unwrap_model(model)` lacks."""
     model_keys = set(unwrap_model(model).state_dict().keys())
-    return any(
-        key not in model_keys and any(part in WRAPPER_KEY_COMPONENTS for part in key.split(".")) for key in keys
-    )
+    return any(key not in model_keys and _normalise(key) != key for key in keys)
 
 
 # ---- A model handed to the Trainer already wrapped ----
