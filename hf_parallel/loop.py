@@ -299,8 +299,9 @@ class LoopStep:
         head = exact.head(model, batch)
         if self._counts is None and exact.labels_present(head, self.batches):
             self._counts = self._count(head, model)
-        head = self._counts.head if self._counts is not None else None  # as the check settled it
-        if head is None:
+        if head is not None and self._counts is not None:
+            head = self._counts.head  # as the check settled it
+        if head is None or self._counts is None:
             # The stock loss (warned once, naming why): the model's mean, divided by the micro-batches.
             value = _stock_loss(model(**batch)) / len(self.batches)
         else:

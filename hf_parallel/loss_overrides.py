@@ -289,7 +289,9 @@ class ExactLossOverrides:
         # The step whose count `num_items_in_batch` is (the tensor get_batch_samples handed out), or stock's.
         step = self._counted_step
         step = step if step is not None and num_items_in_batch is step.total else None
-        if step is None:
+        if step is None or (step.head.batch_coupled and self._exact_head(inputs) is None):
+            # Stock's, also for the rest of a step whose contrastive loss fell back in its first micro-batch (its own
+            # check, `hf_parallel.exact.coupled`): that step was counted as exact.
             return stock_training_step(self, super().training_step, model, inputs, num_items_in_batch)
         # compute_loss already divided by the item count of the whole step: stock must not divide by the number of
         # accumulation steps again.
@@ -305,7 +307,7 @@ class ExactLossOverrides:
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         step = self._counted_step
         step = step if step is not None and num_items_in_batch is step.total else None
-        head = step.head if step is not None else self._exact_head(inputs)
+        head = step.head if step is not None and not step.head.batch_coupled else self._exact_head(inputs)
         real = None
         if step is None and head is not None and head.has_labels(inputs):  # evaluation (or outside train())
             if self.exact.evaluation.running:

@@ -75,12 +75,11 @@ def forward_in_replicas(exact, wrapper: nn.DataParallel, run, inputs: dict, labe
             # A forward that never calls its `module` returns the model's outputs on the whole batch, given its
             # labels: the terms are computed from them, where they were gathered (exact, at the cost of the whole
             # batch's outputs there), warned once.
-            checked = run.plain is not run  # a checked forward around the plain one
             exact.warn_once(
                 "exact_loss: the forward of the DataParallel wrapper does not call its `module`, so its replicas "
                 "cannot compute their own loss terms; the loss is computed from the outputs the wrapper gathered "
-                "(exact, but the whole batch's logits are gathered on the first device)."
-                + (" The model's own loss is not checked against the head." if checked else "")
+                "(exact, but the whole batch's logits are gathered on the first device). The model's own loss is not "
+                "checked against the head."
             )
             # `run.plain` calls the model: here, one already called.
             return run.plain(lambda **_: returned, inputs, labels)
