@@ -72,8 +72,7 @@ class ExactLossOverrides:
             unwrap=self.accelerator.unwrap_model,
             contrastive_negatives=self.args.contrastive_negatives,
             router_balance=self.args.router_balance,
-            fallback="The loss is left to the Trainer: the stock transformers loss, or a subclass's own. "
-            + FALLBACK_NOTE,
+            fallback=FALLBACK_NOTE,
         )
         #: The run's engine (`hf_parallel.exact.engine`) and what its micro-batches share (`RunContext`), picked at the
         #: first step of `train()`; the step being trained (`hf_parallel.exact.step.count_step`), whose count stock

@@ -223,6 +223,7 @@ def test_gradient_accumulation_of_a_subclass_calling_super(hf_parallel_log):
     fallbacks = [m for m in hf_parallel_log.messages if m.startswith("exact_loss:")]
     assert len(fallbacks) == 1, fallbacks
     assert "_CallsSuper overrides compute_loss" in fallbacks[0] and FALLBACK_NOTE in fallbacks[0]
+    assert fallbacks[0].count("The loss is left to the Trainer") == 1, fallbacks[0]
 
 
 # ---- DDP, 2 CPU ranks, one spawn ------------------------------------------------------------------------------------
