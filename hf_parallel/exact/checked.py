@@ -12,8 +12,9 @@ keeps its own mean, S / C, differ by a factor of 2 at any C and precision; an of
 the model's loss on the same rows (`replica_check`, without autograd); in a DataParallel replica, for its rows.
 `hf_parallel.exact.check` decides from the verdicts of every replica and rank. The forward runs without autograd (a
 loss fused with the LM head, which returns no logits, runs once more with it in training: whether it divides by the
-count is told from its gradient) and within a fork of the random state, so that the step's own forwards draw the
-dropout they would draw without it.
+count is told from its gradient), within a fork of the random state, so that the step's own forwards draw the
+dropout they would draw without it, and with the model's buffers put back after it (a batch normalisation's running
+statistics are updated by the step's forwards alone, as on one device without the check).
 
 ```python
 from hf_parallel.exact import ExactLoss, RunContext, count_step
@@ -58,10 +59,10 @@ def calibrate_head(
     inputs, labels = split_labels(head, inputs, model, False, exact.unwrap, real)
     plain = PlainForward(exact, head, None, context, real=real)
     run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)), torch.is_grad_enabled())
-    device = batch_device(labels, inputs)
-    cuda = device.type == "cuda"  # the random states to fork: every replica's device under DataParallel
-    devices = (getattr(model, "device_ids", None) or [device.index or 0]) if cuda else []
+    device = batch_device(labels, inputs)  # the random states to fork: every replica's device under DataParallel
+    devices = (getattr(model, "device_ids", None) or [device.index or 0]) if device.type == "cuda" else []
     watch = watching_loss_call(head, model, exact.unwrap, checked=True)
+    buffers = [(buffer, buffer.clone()) for buffer in exact.unwrap(owner).buffers()]
     with (
         torch.random.fork_rng(devices=devices),
         torch.no_grad(),
@@ -73,6 +74,8 @@ def calibrate_head(
             terms, _ = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, False)
         else:
             terms, _ = run(model, inputs, labels)
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     return exact.settle(candidates, owner, terms.check)
 
 

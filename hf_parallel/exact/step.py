@@ -251,9 +251,8 @@ def micro_batch_loss(
     replicas = exact.engine.replicas
     keep = return_outputs and (exact.evaluation.outputs_wanted or not replicas)
     run = PlainForward(exact, head, step, context, total, keep=keep, drop_cache=replicas, real=real)
-    unwrap = exact.unwrap
-    watch = watching_loss_call(head, model, unwrap, checked=False) if head.loss_call else contextlib.nullcontext()
-    with watch as run.loss_call:
+    watch = watching_loss_call(head, model, exact.unwrap, checked=False) if head.loss_call is not None else None
+    with watch or contextlib.nullcontext() as run.loss_call:
         if replicas:
             terms, outputs = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, keep)
         else:

@@ -246,6 +246,21 @@ def test_batch_normalisation_is_warned():
     assert "batch normalisation" not in log.text  # one forward per step: nothing to warn about
 
 
+def test_the_check_leaves_the_running_statistics_to_the_steps_forwards():
+    """The check's forward before the first step (`calibrate_head`) puts the model's buffers back: a batch
+    normalisation's running statistics are those of stock's forwards, one per step here, not one more."""
+    from tests.helpers.heads import Case
+
+    with_batch_norm = Case(
+        "segformer_batch_norm", lambda seed: _bn_segformer(seed), CASES["segformer_segmentation"].rows
+    )
+    ours, stock = (run_case(with_batch_norm, SINGLE, eval_rows=0, stock=side) for side in (False, True))
+    norms = [result.trainer.model.decode_head.batch_norm for result in (ours, stock)]
+    assert int(norms[0].num_batches_tracked) == int(norms[1].num_batches_tracked) > 0
+    torch.testing.assert_close(norms[0].running_mean, norms[1].running_mean, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(norms[0].running_var, norms[1].running_var, rtol=1e-4, atol=1e-6)
+
+
 def _bn_segformer(seed: int) -> torch.nn.Module:
     model = _segformer(seed)
     model.decode_head.batch_norm = torch.nn.BatchNorm2d(model.config.decoder_hidden_size)
