@@ -451,8 +451,8 @@ def test_fused_loss_is_exact_without_logits():
             losses.append(step.logged_loss())
             params.append(flat_params(model))
     assert record.logits_calls == 0, record.calls  # training never built the [rows, positions, vocab] logits
-    # Micro-batches of 4, 4 and 2 rows per epoch, and the check's two forwards before the first step (one without
-    # autograd, one that asks the loss's gradient with respect to the count).
+    # Micro-batches of 4, 4 and 2 rows per epoch, and the check's two forwards before the first step (given N and 2N:
+    # a fused loss has no logits to compare).
     assert record.fused_calls == 3 * EPOCHS + 2
     result = {"losses": losses, "params": params}
     result["eval_loss"] = exact.evaluate(model, DataLoader(eval_rows("lm"), batch_size=EVAL_BATCH))

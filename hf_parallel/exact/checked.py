@@ -10,11 +10,12 @@ N = 2C + 1/2 as `num_items_in_batch` (no count of items, and twice C, so that a 
 keeps its own mean, S / C, differ by a factor of 2 at any C and precision; an offset of 1/2 alone moved S / N by
 1 / (2C), below a float32 loss's tolerance from 5,000 items on). Then every candidate head's terms are compared with
 the model's loss on the same rows (`replica_check`, without autograd); in a DataParallel replica, for its rows.
-`hf_parallel.exact.check` decides from the verdicts of every replica and rank. The forward runs without autograd (a
-loss fused with the LM head, which returns no logits, runs once more with it in training: whether it divides by the
-count is told from its gradient), within a fork of the random state, so that the step's own forwards draw the
-dropout they would draw without it, and with the model's buffers put back after it (a batch normalisation's running
-statistics are updated by the step's forwards alone, as on one device without the check).
+`hf_parallel.exact.check` decides from the verdicts of every replica and rank. The forward runs in the model's own
+mode (its loss is the one the step trains on: a loss fused with the LM head returns no logits in training only),
+without autograd, within a fork of the random state (the step's own forwards draw the dropout they would draw without
+it) and with the model's buffers put back after it (a batch normalisation's running statistics are the step's
+forwards' alone). A fused loss, with no logits to compare, runs once more given 2N, drawing the same dropout: a loss
+that divides by its count halves.
 
 ```python
 from hf_parallel.exact import ExactLoss, RunContext, count_step
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compare import can_use_model_loss, fused_outputs, probe_count, replica_check
+from .compare import can_use_model_loss, fused_outputs, model_loss, probe_count, replica_check
 from .heads import HeadMismatch, LossHead, Route
 from .heads.base import sequence_length
 from .replicas import forward_in_replicas
@@ -58,17 +59,11 @@ def calibrate_head(
     inputs = {key: value for key, value in batch.items() if key != "skip_logits"}
     inputs, labels = split_labels(head, inputs, model, False, exact.unwrap, real)
     plain = PlainForward(exact, head, None, context, real=real)
-    run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)), torch.is_grad_enabled())
-    device = batch_device(labels, inputs)  # the random states to fork: every replica's device under DataParallel
-    devices = (getattr(model, "device_ids", None) or [device.index or 0]) if device.type == "cuda" else []
+    run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)))
     watch = watching_loss_call(head, model, exact.unwrap, checked=True)
     buffers = [(buffer, buffer.clone()) for buffer in exact.unwrap(owner).buffers()]
-    with (
-        torch.random.fork_rng(devices=devices),
-        torch.no_grad(),
-        exact.watching_decoder(candidates, model, inputs),
-        watch as call,
-    ):
+    forked = torch.random.fork_rng(devices=_devices(model, batch_device(labels, inputs)))
+    with forked, torch.no_grad(), exact.watching_decoder(candidates, model, inputs), watch as call:
         plain.loss_call = call
         if exact.engine.replicas:
             terms, _ = forward_in_replicas(exact, model, run, inputs, labels, context.autocast_dtype, False)
@@ -77,6 +72,12 @@ def calibrate_head(
         for buffer, saved in buffers:
             buffer.copy_(saved)
     return exact.settle(candidates, owner, terms.check)
+
+
+def _devices(model: nn.Module, device: torch.device) -> list[int]:
+    """The CUDA devices whose random state a forward of `model` on `device` draws from: every replica's under
+    DataParallel."""
+    return (getattr(model, "device_ids", None) or [device.index or 0]) if device.type == "cuda" else []
 
 
 class CheckedForward:
@@ -88,11 +89,10 @@ class CheckedForward:
         plain: the plain forward of the head (its `forward` and `terms`).
         candidates (`tuple[LossHead, ...]`): the heads to compare, the chosen one first.
         probe (`bool`): give the model a probe count (`can_use_model_loss`).
-        gradient (`bool`): whether a fused loss may be asked for its gradient (training).
     """
 
-    def __init__(self, plain, candidates: tuple[LossHead, ...], probe: bool, gradient: bool = False):
-        self.plain, self.candidates, self.probe, self.gradient = plain, candidates, probe, gradient
+    def __init__(self, plain, candidates: tuple[LossHead, ...], probe: bool):
+        self.plain, self.candidates, self.probe = plain, candidates, probe
 
     def __call__(self, run, inputs: dict, labels: dict):
         plain, candidates = self.plain, self.candidates
@@ -101,11 +101,12 @@ class CheckedForward:
         if self.probe and head.route is not Route.MODEL_LOSS:
             targets = model_labels(labels)
             items = head.count(targets, sequence_length(inputs, plain.context.main_input_name)).sum()
-            probe = probe_count(items.to(batch_device(targets, inputs))).requires_grad_(self.gradient)
-        outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
-        if probe is not None and self.gradient and fused_outputs(outputs):
-            with torch.enable_grad():  # no logits to compare: the loss's gradient with respect to the count tells
-                outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
+            probe = probe_count(items.to(batch_device(targets, inputs)))
+        with torch.random.fork_rng(devices=_devices(run, batch_device(labels, inputs))):  # drawn again if doubled
+            outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
+        doubled = None  # no logits to compare (a fused loss): given twice the count, a loss divided by it halves
+        if probe is not None and fused_outputs(outputs):
+            doubled = model_loss(plain.forward(run, inputs, labels, count=probe * 2, with_labels=True)[0])
         try:
             with torch.no_grad():
                 terms = plain.terms(outputs, labels, inputs, count)
@@ -119,5 +120,5 @@ class CheckedForward:
         # The model's loss adds its router term on these rows: so does every candidate's.
         router = candidates[0].router.loss(terms.router.sum(0)) if terms.router is not None else None
         vote = jury.decoder_vote(labels)
-        check = replica_check(candidates, outputs, terms_of, known, probe, vote, jury.note_mismatch, router)
+        check = replica_check(candidates, outputs, terms_of, known, probe, vote, jury.note_mismatch, router, doubled)
         return Terms(check=check), None

@@ -4,9 +4,9 @@ candidate computes from the same logits (`replica_check`; in a DataParallel repl
 
 A candidate fits when its mean S / C is the model's loss within `tolerance`, or, where the forward was given a count N
 (`num_items_in_batch`; the probe of `hf_parallel.exact.checked` gives 2C + 1/2), its sum S / N: the loss then honours
-the count. Without logits (a loss fused with the LM head) only the honouring can be told, from the loss's gradient
-with respect to the count (-S / N^2). The candidates are computed without autograd: the check forward is only
-compared, never back-propagated (`hf_parallel.exact.checked`).
+the count. Without logits (a loss fused with the LM head) only the honouring can be told, from the loss of a second
+forward given 2N: S / N halves, a mean does not. The candidates are computed without autograd: the check forward is
+only compared, never back-propagated (`hf_parallel.exact.checked`).
 
 ```python
 from hf_parallel.exact.compare import candidate_heads, replica_check
@@ -171,6 +171,7 @@ def replica_check(
     decoder: torch.Tensor | None = None,
     on_mismatch: Callable[[str], None] | None = None,
     router: torch.Tensor | None = None,
+    doubled: torch.Tensor | None = None,
 ) -> ReplicaCheck:
     """
     What one forward of `candidates` (from `candidate_heads`) says, as a `ReplicaCheck`; the candidates' terms are
@@ -187,6 +188,7 @@ def replica_check(
             (`HeadMismatch`: it then does not fit).
         router (`torch.Tensor`, *optional*): the router term a MoE model adds to its loss on these rows
             (`hf_parallel.exact.heads.router`), added to every candidate's.
+        doubled (`torch.Tensor`, *optional*): without logits, the model's loss on the same rows given twice `count`.
     """
     # By the head itself, not its id: a compared copy freed after use could pass its id on to the next one.
     computed = dict(known or {})
@@ -223,7 +225,7 @@ def replica_check(
             extra = float(router) if router is not None else 0.0
             honours[0, 0] = _compare(candidates, terms_of, loss, n, fits, losses, mismatched, extra)
         else:  # without logits no other candidate can be computed (nor chosen: it cannot fit)
-            honours[0, 0] = _honours_by_gradient(loss, count)
+            honours[0, 0] = _halves(loss, doubled)
         mean = loss * (n / max(int(first[1].sum()), 1)) if honours[0, 0] == 1 else loss  # S / N: its mean is S / C
         losses[0, 0] = mean.detach().double()
     decoder = decoder.to(device) if decoder is not None else torch.full((1, 1), float("nan"), device=device)
@@ -263,18 +265,12 @@ def _compare(
     return float(all(divided.values())) if n is not None and divided else float("nan")
 
 
-def _honours_by_gradient(loss: torch.Tensor, count: torch.Tensor | None) -> float:
+def _halves(loss: torch.Tensor, doubled: torch.Tensor | None) -> float:
     """
-    Whether `loss` is a sum divided by `count`, from its gradient with respect to it: d(S / N)/dN = -(S / N) / N. 1 or
-    0; NaN without a graph to ask (evaluation) or a count. Only the path from the loss to the count is walked.
+    Whether `loss`, given a count N, is a sum divided by it: given 2N (`doubled`, the same rows' loss) it halves, where
+    a mean keeps its value. 1 or 0; NaN without the second loss, or where the loss is 0 (no items tell).
     """
-    if count is None or not (loss.requires_grad and count.requires_grad):
+    if doubled is None or float(loss) == 0:
         return float("nan")
-    (gradient,) = torch.autograd.grad(loss, count, retain_graph=True, allow_unused=True)
-    if gradient is None:
-        return 0.0
-    # The expected gradient is taken from the loss as returned, rounded to its dtype: a half-precision loss is off from
-    # the gradient (computed before rounding) by up to half its last bit. A loss that ignores the count has none.
-    expected = -loss.detach().double() / float(count.detach())
-    bound = tolerance(loss.dtype) * expected.abs() + 1e-12
-    return float(bool((gradient.double() - expected).abs() <= bound))
+    bound = tolerance(loss.dtype) * abs(float(loss)) + 1e-12
+    return float(abs(2 * float(doubled) - float(loss)) <= bound)

@@ -52,16 +52,21 @@ LOSS_DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 def _honours(items: int, mean: float, dtype: torch.dtype, divides_by_count: bool, logits: bool) -> float:
     """
     What the check says of a model loss of `items` items and mean `mean` (rounded to `dtype`), given the probe's
-    count: with logits by comparing it with the sums, without (a fused loss) by its gradient with respect to the count.
+    count: with logits by comparing it with the sums, without (a fused loss) by its loss given twice the count.
     """
     head = CrossEntropyHead(name="causal_lm", shift=True, per_position=True)
     sums, counts = torch.tensor([[mean * items]], dtype=torch.float64), torch.tensor([[items]])
-    count = probe_count(counts.sum()).requires_grad_(not logits)
-    loss = (sums.sum() / count) if divides_by_count else sums.sum() / items
-    outputs = {"loss": loss.to(dtype).requires_grad_(not logits)}
+    count = probe_count(counts.sum())
+
+    def given(n: torch.Tensor) -> torch.Tensor:  # the model's loss given the count n
+        return ((sums.sum() / n) if divides_by_count else sums.sum() / items).to(dtype)
+
+    outputs, doubled = {"loss": given(count)}, None
     if logits:
         outputs["logits"] = torch.zeros(1, 1, 1)  # not read: the candidate's sums are given
-    check = replica_check((head,), outputs, lambda h: (sums.float(), counts), count=count)
+    else:
+        doubled = given(count * 2)
+    check = replica_check((head,), outputs, lambda h: (sums.float(), counts), count=count, doubled=doubled)
     return float(check.honours)
 
 

@@ -74,7 +74,7 @@ def test_fused_loss_trains_exactly_without_logits(topology):
     assert result.loss == pytest.approx(loss, rel=TOL)
     assert max_relative_diff(result.grads, grads) < TOL
     # Training never built the logits: every training forward took the fused path (in every replica under DP), and so
-    # did the check's two before the first step (one without autograd, one that asks the loss's gradient).
+    # did the check's two before the first step (given N and 2N: a fused loss has no logits to compare).
     forwards = (topology.accumulation + 2) * topology.dp_devices
     assert all(fused[:trained]) and not any(fused[trained:]) and trained == forwards
     assert result.trainer.exact.head(result.trainer.model).route is Route.MODEL_LOSS
