@@ -58,6 +58,8 @@ def calibrate_head(
     # Stock asks a Liger forward for no logits in evaluation without predictions: the check compares the logits.
     inputs = {key: value for key, value in batch.items() if key != "skip_logits"}
     inputs, labels = split_labels(head, inputs, model, False, exact.unwrap, real)
+    # Contiguous: the model's own loss views its shifted targets flat, and Ulysses' micro-batches hold strided slices.
+    labels = {key: value.contiguous() if torch.is_tensor(value) else value for key, value in labels.items()}
     plain = PlainForward(exact, head, None, context, real=real)
     run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)))
     watch = watching_loss_call(head, model, exact.unwrap, checked=True)
