@@ -36,7 +36,7 @@ from .compare import can_use_model_loss, fused_outputs, model_loss, probe_count,
 from .heads import HeadMismatch, LossHead, Route
 from .heads.base import sequence_length
 from .replicas import forward_in_replicas
-from .step import PlainForward, RunContext, model_labels, random_devices, sample_terms, split_labels
+from .step import PlainForward, RunContext, model_labels, sample_terms, split_labels
 from .terms import Terms, batch_device, watching_loss_call
 
 __all__ = ["CheckedForward", "calibrate_head"]
@@ -64,7 +64,7 @@ def calibrate_head(
     run = CheckedForward(plain, candidates, can_use_model_loss(head, exact.unwrap(owner)))
     watch = watching_loss_call(head, model, exact.unwrap, checked=True)
     buffers = [(buffer, buffer.clone()) for buffer in exact.unwrap(owner).buffers()]
-    forked = torch.random.fork_rng(devices=random_devices(model, batch_device(labels, inputs)))
+    forked = torch.random.fork_rng(devices=_devices(model, batch_device(labels, inputs)))
     with forked, torch.no_grad(), exact.watching_decoder(candidates, model, inputs), watch as call:
         plain.loss_call = call
         if exact.engine.replicas:
@@ -74,6 +74,12 @@ def calibrate_head(
         for buffer, saved in buffers:
             buffer.copy_(saved)
     return exact.settle(candidates, owner, terms.check)
+
+
+def _devices(model: nn.Module, device: torch.device) -> list[int]:
+    """The CUDA devices whose random state a forward of `model` on `device` draws from: every replica's under
+    DataParallel."""
+    return (getattr(model, "device_ids", None) or [device.index or 0]) if device.type == "cuda" else []
 
 
 class CheckedForward:
@@ -98,15 +104,14 @@ class CheckedForward:
             targets = model_labels(labels)
             items = head.count(targets, sequence_length(inputs, plain.context.main_input_name)).sum()
             probe = probe_count(items.to(batch_device(targets, inputs)))
-        with torch.random.fork_rng(
-            devices=random_devices(run, batch_device(labels, inputs))
-        ):  # drawn again if doubled
+        with torch.random.fork_rng(devices=_devices(run, batch_device(labels, inputs))):  # drawn again if doubled
             outputs, labels, count = plain.forward(run, inputs, labels, count=probe, with_labels=True)
         doubled = None  # no logits to compare (a fused loss): given twice the count, a loss divided by it halves
         if probe is not None and fused_outputs(outputs):
             doubled = model_loss(plain.forward(run, inputs, labels, count=probe * 2, with_labels=True)[0])
         try:
-            terms = plain.terms(outputs, labels, inputs, count)  # without autograd, as the whole check
+            with torch.no_grad():
+                terms = plain.terms(outputs, labels, inputs, count)
         except HeadMismatch:
             terms = Terms()  # the check rules the head out (`replica_check`)
 

@@ -471,15 +471,10 @@ def _router_step(exact, head: LossHead, model: nn.Module, batches: list[dict], m
     if head.route is Route.TRAINER_LOSS:  # its backbone, on the real samples (an epoch's repeated rows out)
         forward, batches = head.router_forward(exact.unwrap(model)), real_batches(head, batches, marks)
         marks = (None,) * len(batches)
-    with torch.random.fork_rng(devices=random_devices(forward, device)):
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
         router = head.router.step_stats(forward, batches, head.label_keys, marks)
     return exact.engine.add_counts(router.to(device))
-
-
-def random_devices(model, device: torch.device) -> list[int]:
-    """The CUDA devices whose random state a forward of `model` on `device` draws from (for `torch.random.fork_rng`):
-    every replica's under DataParallel, none on the CPU."""
-    return (getattr(model, "device_ids", None) or [device.index or 0]) if device.type == "cuda" else []
 
 
 def _router_term(exact, head: LossHead, own: torch.Tensor, step: StepCounts) -> torch.Tensor:
